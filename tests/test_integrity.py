@@ -1,0 +1,59 @@
+"""Each integrity check rejects its bad input with an error naming the field."""
+
+import math
+
+import pytest
+import torch
+
+from trl_dapo.integrity import RolloutIntegrityError, check_completions, check_groups, check_rewards
+
+NAMES = ["accuracy", "overlong_penalty"]
+
+
+def test_good_rewards_pass_including_nan_for_a_function_that_does_not_apply():
+    check_rewards(torch.tensor([[1.0, math.nan], [0.0, -0.5]]), 2, NAMES)
+
+
+@pytest.mark.parametrize(
+    ("rewards", "count", "message"),
+    [
+        (torch.tensor([[1.0, 0.0]]), 2, "rewards: got shape"),
+        (torch.tensor([[1.0, math.inf], [0.0, 0.0]]), 2, "'overlong_penalty' returned inf for completion 0"),
+        (torch.tensor([[1.0, 0.0], [math.nan, math.nan]]), 2, "completion 1 .* got no reward"),
+    ],
+)
+def test_bad_rewards(rewards, count, message):
+    with pytest.raises(RolloutIntegrityError, match=message):
+        check_rewards(rewards, count, NAMES)
+
+
+def test_groups_must_be_whole_and_hold_one_prompt():
+    prompts = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9], [7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    check_groups(prompts, mask, 2)
+    with pytest.raises(RolloutIntegrityError, match="prompt_ids: 4 rows is not a whole number"):
+        check_groups(prompts, mask, 3)
+    with pytest.raises(RolloutIntegrityError, match="prompt_ids: group 0 mixes prompts"):
+        check_groups(prompts, mask, 4)
+
+
+def test_padding_differences_do_not_count_as_different_prompts():
+    prompts = torch.tensor([[9, 5, 6], [0, 5, 6]])  # same prompt, different pad value left of the mask
+    check_groups(prompts, torch.tensor([[0, 1, 1], [0, 1, 1]]), 2)
+
+
+def test_completion_alignment_and_finite_logprobs():
+    ids = torch.tensor([[4, 5, 0], [6, 0, 0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    logps = torch.tensor([[-1.0, -2.0, math.nan], [-0.5, math.inf, 0.0]])  # non-finite only on padding
+    check_completions(ids, mask, logps)
+    with pytest.raises(RolloutIntegrityError, match="completion_mask: shape"):
+        check_completions(ids, mask[:, :2], logps)
+    with pytest.raises(RolloutIntegrityError, match="old_per_token_logps: shape"):
+        check_completions(ids, mask, logps[:, :2])
+    with pytest.raises(RolloutIntegrityError, match="completion_mask: row 1 has active tokens after padding"):
+        check_completions(ids, torch.tensor([[1, 1, 0], [1, 0, 1]]), logps.nan_to_num())
+    bad = logps.clone()
+    bad[0, 1] = math.nan
+    with pytest.raises(RolloutIntegrityError, match="old_per_token_logps: value nan at completion 0, token 1"):
+        check_completions(ids, mask, bad)

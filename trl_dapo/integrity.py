@@ -1,0 +1,87 @@
+"""Checks that stop a bad rollout batch before it reaches an optimizer step.
+
+Each failure raises `RolloutIntegrityError` naming the field that is wrong and what to change: a silently dropped or
+misaligned sample would bias the token-mean and the group advantages without any visible symptom.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class RolloutIntegrityError(ValueError):
+    """A rollout batch violates an invariant the DAPO loss relies on."""
+
+
+def check_rewards(rewards_per_func: torch.Tensor, num_completions: int, reward_func_names: Sequence[str]) -> None:
+    """One finite reward per completion from at least one reward function (NaN = "this function does not apply")."""
+    if rewards_per_func.shape != (num_completions, len(reward_func_names)):
+        raise RolloutIntegrityError(
+            f"rewards: got shape {tuple(rewards_per_func.shape)} for {num_completions} completions and reward "
+            f"functions {list(reward_func_names)}; every reward function must return one value per completion."
+        )
+    infinite = torch.isinf(rewards_per_func)
+    if infinite.any():
+        row, col = (int(i) for i in infinite.nonzero()[0])
+        raise RolloutIntegrityError(
+            f"rewards: reward function '{reward_func_names[col]}' returned {rewards_per_func[row, col].item()} for "
+            f"completion {row}; return a finite number (or None when the function does not apply)."
+        )
+    unscored = torch.isnan(rewards_per_func).all(dim=1)
+    if unscored.any():
+        row = int(unscored.nonzero()[0])
+        raise RolloutIntegrityError(
+            f"rewards: completion {row} (and {int(unscored.sum()) - 1} more) got no reward: every reward function "
+            f"{list(reward_func_names)} returned None/NaN; at least one must score each completion."
+        )
+
+
+def check_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int) -> None:
+    """Rows come in consecutive groups of exactly `num_generations` samples of one prompt."""
+    rows = prompt_ids.size(0)
+    if rows % num_generations != 0:
+        raise RolloutIntegrityError(
+            f"prompt_ids: {rows} rows is not a whole number of groups of num_generations={num_generations}; each "
+            "prompt must be sampled exactly num_generations times."
+        )
+    masked = prompt_ids.masked_fill(prompt_mask == 0, -1).view(rows // num_generations, num_generations, -1)
+    differs = (masked != masked[:, :1]).any(dim=2).any(dim=1)
+    if differs.any():
+        group = int(differs.nonzero()[0])
+        raise RolloutIntegrityError(
+            f"prompt_ids: group {group} mixes prompts; each block of num_generations={num_generations} consecutive "
+            "rows must hold samples of one prompt (check the sampler and any custom rollout_func)."
+        )
+
+
+def check_completions(
+    completion_ids: torch.Tensor, completion_mask: torch.Tensor, old_per_token_logps: torch.Tensor
+) -> None:
+    """Completion ids, mask and rollout logprobs align token for token; logprobs are finite wherever they count."""
+    if completion_mask.shape != completion_ids.shape:
+        raise RolloutIntegrityError(
+            f"completion_mask: shape {tuple(completion_mask.shape)} differs from completion_ids "
+            f"{tuple(completion_ids.shape)}; the mask needs one entry per completion token."
+        )
+    if old_per_token_logps.shape != completion_ids.shape:
+        raise RolloutIntegrityError(
+            f"old_per_token_logps: shape {tuple(old_per_token_logps.shape)} differs from completion_ids "
+            f"{tuple(completion_ids.shape)}; the rollout must return one logprob per generated token."
+        )
+    mask = completion_mask.bool()
+    holes = (mask[:, 1:] & ~mask[:, :-1]).any(dim=1)
+    if holes.any():
+        row = int(holes.nonzero()[0])
+        raise RolloutIntegrityError(
+            f"completion_mask: row {row} has active tokens after padding; completions must be right-padded."
+        )
+    bad = mask & ~torch.isfinite(old_per_token_logps)
+    if bad.any():
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise RolloutIntegrityError(
+            f"old_per_token_logps: value {old_per_token_logps[row, col].item()} at completion {row}, token {col} is "
+            "not finite; the rollout engine must return a logprob for every sampled token (for vLLM, request "
+            "logprobs of the sampled tokens)."
+        )

@@ -1,0 +1,17 @@
+"""Dynamic sampling: group filters, the buffer that fills a generation batch with informative groups, and the
+prompt stream for extra candidate rounds. Nothing here imports the trainer."""
+
+from .buffer import DynamicSamplingBuffer, DynamicSamplingLimitError, SamplingStats, plan_round_groups
+from .filters import filter_groups, group_outcomes, solve_rate
+from .prompt_stream import PromptStream
+
+__all__ = [
+    "DynamicSamplingBuffer",
+    "DynamicSamplingLimitError",
+    "PromptStream",
+    "SamplingStats",
+    "filter_groups",
+    "group_outcomes",
+    "plan_round_groups",
+    "solve_rate",
+]

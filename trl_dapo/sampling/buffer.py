@@ -1,0 +1,190 @@
+"""`DynamicSamplingBuffer`: gathers informative prompt groups over candidate rounds until a generation batch is full.
+
+It works on global rollout batches (every rank holds the same view), so every rank takes the same decisions and the
+accepted batch does not depend on how many ranks generated it. Groups are never split: the buffer moves whole blocks
+of `num_generations` consecutive rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .filters import filter_groups, group_outcomes, solve_rate
+from .rollout_batch import RolloutBatch, concat_rollouts, num_rows, select_rows
+
+# One candidate round: given the number of groups to generate, return the global batch and its per-row filter metric.
+GenerateRound = Callable[[int], tuple[RolloutBatch, torch.Tensor]]
+
+# Margin over the expected need when sizing rounds from the running efficiency ("auto"): overshoot is kept as
+# surplus, a second round costs a whole generation pass.
+AUTO_MARGIN = 1.25
+EFFICIENCY_SMOOTHING = 0.5
+
+
+class DynamicSamplingLimitError(RuntimeError):
+    """`max_num_gen_batches` candidate rounds did not yield enough informative groups."""
+
+
+@dataclass
+class SamplingStats:
+    """What one fill did, logged as `dapo/*` metrics."""
+
+    gen_batches: int = 0
+    generated_groups: int = 0
+    qualified_groups: int = 0
+    filtered_all_correct: int = 0
+    filtered_all_wrong: int = 0
+    surplus_used: int = 0
+    surplus_groups: int = 0
+    discarded_qualified_groups: int = 0
+    solved_prompts: float = 0.0
+    partial: bool = False
+
+    def metrics(self) -> dict[str, float]:
+        generated = max(self.generated_groups, 1)
+        return {
+            "dapo/gen_batches": self.gen_batches,
+            "dapo/generated_groups": self.generated_groups,
+            "dapo/qualified_groups": self.qualified_groups,
+            "dapo/filtered_groups": self.filtered_all_correct + self.filtered_all_wrong,
+            "dapo/filtered_groups_all_correct": self.filtered_all_correct,
+            "dapo/filtered_groups_all_wrong": self.filtered_all_wrong,
+            "dapo/surplus_groups_used": self.surplus_used,
+            "dapo/surplus_groups": self.surplus_groups,
+            "dapo/discarded_qualified_groups": self.discarded_qualified_groups,
+            "dapo/sampling_efficiency": self.qualified_groups / generated,
+            "dapo/solve_rate": self.solved_prompts / generated,
+            "dapo/partial_batch": float(self.partial),
+        }
+
+
+def plan_round_groups(
+    missing: int, efficiency: float, oversample: str, cap: int, multiple: int, minimum: int = 0
+) -> int:
+    """Groups to generate in the next round: `missing` scaled by the oversample factor (or, for "auto", divided by
+    the running efficiency with a margin), at least `minimum`, at most `cap`, rounded up to `multiple`."""
+    if oversample == "auto":
+        wanted = missing * AUTO_MARGIN / max(efficiency, 1.0 / cap)
+    else:
+        wanted = missing * float(oversample)
+    groups = min(max(math.ceil(wanted), minimum, 1), cap)
+    return math.ceil(groups / multiple) * multiple
+
+
+class DynamicSamplingBuffer:
+    """Collect informative groups; keep the surplus (with its birth step) for later generation batches."""
+
+    def __init__(
+        self,
+        num_generations: int,
+        pad_token_id: int,
+        max_num_gen_batches: int = 10,
+        on_limit: str = "raise",
+        keep_surplus: bool = True,
+        max_surplus_age: int = 1,
+    ) -> None:
+        self.num_generations = num_generations
+        self.pad_token_id = pad_token_id
+        self.max_num_gen_batches = max_num_gen_batches
+        self.on_limit = on_limit
+        self.keep_surplus = keep_surplus
+        self.max_surplus_age = max_surplus_age
+        self.surplus: RolloutBatch | None = None
+        self.surplus_birth = torch.zeros(0, dtype=torch.long)
+        self.efficiency = 1.0
+
+    @property
+    def num_surplus_groups(self) -> int:
+        return int(self.surplus_birth.numel())
+
+    def _group_rows(self, groups: torch.Tensor) -> torch.Tensor:
+        return (groups.unsqueeze(1) * self.num_generations + torch.arange(self.num_generations)).flatten()
+
+    def _select_groups(self, batch: RolloutBatch, groups: torch.Tensor) -> RolloutBatch:
+        return select_rows(batch, self._group_rows(groups).to(batch["completion_ids"].device))
+
+    def fill(
+        self, target_groups: int, generate_round: GenerateRound, step: int, group_multiple: int = 1
+    ) -> tuple[RolloutBatch, SamplingStats]:
+        """Return `target_groups` informative groups (surplus first, then candidate rounds in order) and the stats.
+
+        `group_multiple`: the returned group count is a multiple of it (so the rows share equally over ranks).
+        """
+        stats = SamplingStats()
+        parts: list[RolloutBatch] = []
+        births: list[torch.Tensor] = []
+        if self.surplus is not None and self.num_surplus_groups:
+            fresh = (step - self.surplus_birth) <= self.max_surplus_age
+            stats.discarded_qualified_groups += int((~fresh).sum())
+            kept = fresh.nonzero().flatten()
+            if kept.numel():
+                parts.append(self._select_groups(self.surplus, kept))
+                births.append(self.surplus_birth[kept])
+            stats.surplus_used = int(kept.numel())
+        self.surplus, self.surplus_birth = None, torch.zeros(0, dtype=torch.long)
+
+        have = stats.surplus_used
+        while have < target_groups:
+            if self.max_num_gen_batches and stats.gen_batches >= self.max_num_gen_batches:
+                break
+            candidates, metric = generate_round(target_groups - have)
+            groups = num_rows(candidates) // self.num_generations
+            outcomes = group_outcomes(metric.cpu(), self.num_generations)
+            keep = filter_groups(metric.cpu(), self.num_generations).nonzero().flatten()
+            stats.gen_batches += 1
+            stats.generated_groups += groups
+            stats.qualified_groups += outcomes["qualified"]
+            stats.filtered_all_correct += outcomes["all_correct"]
+            stats.filtered_all_wrong += outcomes["all_wrong"]
+            stats.solved_prompts += solve_rate(metric.cpu(), self.num_generations) * groups
+            round_efficiency = outcomes["qualified"] / max(groups, 1)
+            self.efficiency = EFFICIENCY_SMOOTHING * self.efficiency + (1 - EFFICIENCY_SMOOTHING) * round_efficiency
+            if keep.numel():
+                parts.append(self._select_groups(candidates, keep))
+                births.append(torch.full((keep.numel(),), step, dtype=torch.long))
+                have += keep.numel()
+
+        take = min(have, target_groups)
+        if take < target_groups:
+            stats.partial = True
+            take -= take % group_multiple
+            if self.on_limit == "raise" or take == 0:
+                raise DynamicSamplingLimitError(self._limit_message(stats, have, target_groups))
+        accepted = concat_rollouts(parts, self.pad_token_id) if parts else None
+        birth = torch.cat(births) if births else torch.zeros(0, dtype=torch.long)
+        rest = torch.arange(take, have)
+        if rest.numel() and (self.keep_surplus or stats.partial):
+            self.surplus, self.surplus_birth = self._select_groups(accepted, rest), birth[rest]
+        else:
+            stats.discarded_qualified_groups += int(rest.numel())
+        stats.surplus_groups = self.num_surplus_groups
+        return self._select_groups(accepted, torch.arange(take)), stats
+
+    def _limit_message(self, stats: SamplingStats, have: int, target: int) -> str:
+        return (
+            f"Dynamic sampling ran {stats.gen_batches} candidate generation rounds (max_num_gen_batches="
+            f"{self.max_num_gen_batches}) and found {have} of the {target} informative groups this batch needs "
+            f"({stats.qualified_groups} of {stats.generated_groups} generated groups had varied rewards; filtered "
+            f"all-correct: {stats.filtered_all_correct}, all-wrong: {stats.filtered_all_wrong}). Raise "
+            "max_num_gen_batches (0 = unlimited), set dynamic_sampling_on_limit='train_on_partial', or use prompts "
+            "whose difficulty suits the model."
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "surplus": self.surplus,
+            "surplus_birth": self.surplus_birth,
+            "efficiency": self.efficiency,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.surplus = state["surplus"]
+        self.surplus_birth = state["surplus_birth"]
+        self.efficiency = state["efficiency"]
+
+
+__all__ = ["DynamicSamplingBuffer", "DynamicSamplingLimitError", "SamplingStats", "plan_round_groups"]

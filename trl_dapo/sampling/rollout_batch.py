@@ -1,0 +1,105 @@
+"""Row operations on a rollout batch (the dict TRL's `_generate_and_score_completions` returns, text-only keys).
+
+Dynamic sampling moves rows between candidate rounds, ranks and steps; these helpers keep the left-padded prompt
+side and the right-padded completion side consistent while doing so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+# key -> padding side and value ("pad_token" = the tokenizer's pad id)
+PADDED_KEYS: dict[str, tuple[str, float | str]] = {
+    "prompt_ids": ("left", "pad_token"),
+    "prompt_mask": ("left", 0),
+    "completion_ids": ("right", "pad_token"),
+    "completion_mask": ("right", 0),
+    "tool_mask": ("right", 1),
+    "old_per_token_logps": ("right", 0.0),
+}
+ROW_KEYS = ("advantages",)
+ROLLOUT_KEYS = (*PADDED_KEYS, *ROW_KEYS)
+
+RolloutBatch = dict[str, torch.Tensor]
+
+
+def num_rows(batch: RolloutBatch) -> int:
+    return batch["completion_ids"].size(0)
+
+
+def pad_to_width(tensor: torch.Tensor, width: int, side: str, value: float) -> torch.Tensor:
+    missing = width - tensor.size(1)
+    if missing <= 0:
+        return tensor
+    return F.pad(tensor, (missing, 0) if side == "left" else (0, missing), value=value)
+
+
+def _pad_value(key: str, pad_token_id: int) -> float:
+    value = PADDED_KEYS[key][1]
+    return pad_token_id if value == "pad_token" else value
+
+
+def concat_rollouts(batches: Sequence[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """Stack rows of several batches, re-padding each padded key to the widest batch."""
+    batches = [b for b in batches if num_rows(b) > 0] or list(batches[:1])
+    out: RolloutBatch = {}
+    for key in batches[0]:
+        tensors = [b[key] for b in batches]
+        if key in PADDED_KEYS:
+            width = max(t.size(1) for t in tensors)
+            side = PADDED_KEYS[key][0]
+            tensors = [pad_to_width(t, width, side, _pad_value(key, pad_token_id)) for t in tensors]
+        out[key] = torch.cat(tensors, dim=0)
+    return out
+
+
+def select_rows(batch: RolloutBatch, rows: torch.Tensor | slice) -> RolloutBatch:
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def trim_padding(batch: RolloutBatch) -> RolloutBatch:
+    """Drop prompt columns and completion columns that are padding in every row (a re-sharded slice may have many)."""
+    prompt_used = batch["prompt_mask"].bool().any(dim=0).nonzero()
+    completion_used = batch["completion_mask"].bool().any(dim=0).nonzero()
+    first_prompt = int(prompt_used[0]) if prompt_used.numel() else batch["prompt_mask"].size(1)
+    last_completion = int(completion_used[-1]) + 1 if completion_used.numel() else 1
+    out = dict(batch)
+    for key, (side, _) in PADDED_KEYS.items():
+        if key in out:
+            out[key] = out[key][:, first_prompt:] if side == "left" else out[key][:, :last_completion]
+    return out
+
+
+def gather_rollout(batch: RolloutBatch, accelerator, pad_token_id: int) -> RolloutBatch:
+    """Every rank gets the global batch, rows in rank order (the order TRL's sampler laid the groups out in)."""
+    if accelerator.num_processes == 1:
+        return batch
+    out: RolloutBatch = {}
+    for key, value in batch.items():
+        if key in PADDED_KEYS:
+            side = PADDED_KEYS[key][0]
+            value = accelerator.pad_across_processes(
+                value, dim=1, pad_index=_pad_value(key, pad_token_id), pad_first=side == "left"
+            )
+        out[key] = accelerator.gather(value.contiguous())
+    return out
+
+
+def shard_rows(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
+    """Rank `rank`'s contiguous share of the rows (equal shares; the caller makes the row count divisible)."""
+    rows = num_rows(batch)
+    if rows % world_size != 0:
+        raise ValueError(f"{rows} rows cannot be shared equally by {world_size} ranks.")
+    share = rows // world_size
+    return trim_padding(select_rows(batch, slice(rank * share, (rank + 1) * share)))
+
+
+def count_loss_tokens(batch: RolloutBatch) -> torch.Tensor:
+    """Active response tokens: the token-mean's denominator for these rows."""
+    mask = batch["completion_mask"]
+    if "tool_mask" in batch:
+        mask = mask * batch["tool_mask"]
+    return mask.sum()

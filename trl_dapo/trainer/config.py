@@ -1,0 +1,206 @@
+"""`DAPOConfig`: TRL's `GRPOConfig` with the DAPO recipe's defaults and the fields DAPO adds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+ON_LIMIT_CHOICES = ("raise", "train_on_partial")
+
+
+def _bad(name: str, value: object, fix: str) -> ValueError:
+    return ValueError(f"DAPOConfig.{name}={value!r} is invalid: {fix}")
+
+
+@dataclass
+class DAPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`DAPOTrainer`]. Every [`~trl.GRPOConfig`] field is accepted; the ones below are added or take
+    the DAPO paper's (arXiv 2503.14476) values instead of TRL's.
+
+    Parameters:
+        > DAPO defaults of fields inherited from `GRPOConfig`
+
+        epsilon (`float`, *optional*, defaults to `0.2`):
+            Lower clip range ε_low: ratios below `1 - epsilon` stop pushing a negative-advantage token down.
+        epsilon_high (`float`, *optional*, defaults to `0.28`):
+            Upper clip range ε_high (Clip-Higher): ratios above `1 + epsilon_high` stop pushing a positive-advantage
+            token up. Larger than `epsilon` so rare tokens can still gain probability (against entropy collapse).
+        beta (`float`, *optional*, defaults to `0.0`):
+            KL coefficient. DAPO removes the KL term; any other value is rejected.
+        loss_type (`str`, *optional*, defaults to `"dapo"`):
+            Token-level loss: the sum of per-token losses over every response token of the optimizer step (all
+            micro-batches, all ranks) divided by that global token count. Only `"dapo"` is accepted.
+        num_generations (`int`, *optional*, defaults to `16`):
+            Samples per prompt (the group size G).
+        mask_truncated_completions (`bool`, *optional*, defaults to `False`):
+            Overlong filtering: truncated completions get no loss. Off, as in the paper's best run, which uses the
+            soft overlong punishment below instead.
+        vllm_importance_sampling_correction (`bool`, *optional*, defaults to `False`):
+            With vLLM, its sampled logprobs are used directly as the old policy, so TRL's extra correction factor
+            is off.
+
+        > Fields added by DAPO
+
+        clip_ratio_c (`float` or `None`, *optional*, defaults to `10.0`):
+            Dual-clip bound for negative advantages: a token's loss is at most `-clip_ratio_c * A`, so a very large
+            ratio on a bad token cannot blow the loss up. `10.0` as in the reference 32B recipe; `None` disables it.
+            Must be greater than 1.
+        dynamic_sampling (`bool`, *optional*, defaults to `True`):
+            Drop prompt groups whose filter metric is the same for all samples (all right or all wrong: zero
+            advantage) and keep generating until the generation batch is full of informative groups.
+        dynamic_sampling_metric (`str` or `None`, *optional*, defaults to `None`):
+            What the filter looks at: the name of one reward function (default: the first one, i.e. task accuracy, as
+            DAPO filters on accuracy rather than on the shaped reward), or `"reward"` for the weighted total.
+        max_num_gen_batches (`int`, *optional*, defaults to `10`):
+            Most candidate generation rounds per generation batch; `0` means unlimited.
+        dynamic_sampling_on_limit (`str`, *optional*, defaults to `"raise"`):
+            What to do when `max_num_gen_batches` rounds did not yield enough groups: `"raise"` stops with an error
+            that says what was found, `"train_on_partial"` trains on the informative groups found so far (the
+            token-mean then runs over fewer tokens; nothing is padded).
+        dynamic_sampling_keep_surplus (`bool`, *optional*, defaults to `True`):
+            Keep informative groups beyond the target for the next generation batch instead of discarding them.
+        max_surplus_age (`int` or `None`, *optional*, defaults to `None`):
+            Surplus groups older than this many optimizer steps are discarded (they grow off-policy; their rollout
+            logprobs travel with them so the importance ratio stays right). `None` takes the optimizer steps of one
+            generation batch (`steps_per_generation / gradient_accumulation_steps * num_iterations`), so a surplus
+            group serves the generation batch right after its own and no later.
+        dynamic_sampling_oversample (`str` or `float`, *optional*, defaults to `"1.0"`):
+            Size of each candidate round relative to the groups still missing: a number (`1.0` = generate exactly
+            what is missing) or `"auto"`, which divides by the running sampling efficiency so most generation batches
+            need one round.
+        dynamic_sampling_max_oversample (`float`, *optional*, defaults to `4.0`):
+            Memory cap: a candidate round never exceeds this many times the generation batch's groups.
+        overlong_buffer_len (`int` or `None`, *optional*, defaults to `None`):
+            Soft overlong punishment buffer L_cache: completions longer than `max_completion_length -
+            overlong_buffer_len` get a penalty growing linearly to `-overlong_penalty_factor` at
+            `max_completion_length`. `None` takes 20% of `max_completion_length` (DAPO: 4096 of 20480); `0` disables.
+        overlong_penalty_factor (`float`, *optional*, defaults to `1.0`):
+            Size of the overlong penalty at `max_completion_length`.
+    """
+
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clip range ε_low."})
+    epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip range ε_high (Clip-Higher)."})
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient; DAPO has none."})
+    loss_type: str = field(default="dapo", metadata={"help": "Token-level loss; only 'dapo'."})
+    num_generations: int | None = field(default=16, metadata={"help": "Samples per prompt (group size)."})
+    mask_truncated_completions: bool = field(default=False, metadata={"help": "Overlong filtering."})
+    vllm_importance_sampling_correction: bool = field(
+        default=False, metadata={"help": "Off: vLLM's sampled logprobs are the old policy."}
+    )
+
+    clip_ratio_c: float | None = field(default=10.0, metadata={"help": "Dual-clip bound for negative advantages."})
+    dynamic_sampling: bool = field(default=True, metadata={"help": "Filter uninformative prompt groups."})
+    dynamic_sampling_metric: str | None = field(
+        default=None, metadata={"help": "Reward function name to filter on, or 'reward' for the total."}
+    )
+    max_num_gen_batches: int = field(default=10, metadata={"help": "Most candidate rounds per batch; 0 = no limit."})
+    dynamic_sampling_on_limit: str = field(
+        default="raise", metadata={"help": "At the limit: 'raise' or 'train_on_partial'.", "choices": ON_LIMIT_CHOICES}
+    )
+    dynamic_sampling_keep_surplus: bool = field(default=True, metadata={"help": "Keep surplus groups for later."})
+    max_surplus_age: int | None = field(
+        default=None, metadata={"help": "Oldest surplus group kept, in optimizer steps; None = one generation batch."}
+    )
+    dynamic_sampling_oversample: str = field(
+        default="1.0", metadata={"help": "Candidate round size factor, or 'auto' (from the sampling efficiency)."}
+    )
+    dynamic_sampling_max_oversample: float = field(
+        default=4.0, metadata={"help": "Cap on a candidate round, in generation batches."}
+    )
+    overlong_buffer_len: int | None = field(
+        default=None, metadata={"help": "Soft overlong punishment buffer; None = 20% of max_completion_length."}
+    )
+    overlong_penalty_factor: float = field(default=1.0, metadata={"help": "Overlong penalty at the max length."})
+
+    def __post_init__(self) -> None:
+        self._validate_dapo_fields()
+        super().__post_init__()
+        if self.steps_per_generation % self.gradient_accumulation_steps != 0:
+            raise _bad(
+                "steps_per_generation",
+                self.steps_per_generation,
+                f"it must be a multiple of gradient_accumulation_steps ({self.gradient_accumulation_steps}) so every "
+                "optimizer step draws its micro-batches from one generation batch and its token count is known.",
+            )
+        if self.max_surplus_age is None:
+            self.max_surplus_age = self.steps_per_generation // self.gradient_accumulation_steps * self.num_iterations
+        if self.overlong_buffer_len is None:
+            self.overlong_buffer_len = self.max_completion_length // 5
+        if self.overlong_buffer_len < 0 or self.overlong_buffer_len >= self.max_completion_length:
+            raise _bad(
+                "overlong_buffer_len",
+                self.overlong_buffer_len,
+                f"use 0 (off) or a value below max_completion_length ({self.max_completion_length}).",
+            )
+
+    def _validate_dapo_fields(self) -> None:
+        """Reject settings that would silently stop this from being DAPO, naming the field and the fix."""
+        if self.epsilon < 0 or self.epsilon >= 1:
+            raise _bad("epsilon", self.epsilon, "use a value in [0, 1), e.g. 0.2.")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        if self.epsilon_high < 0:
+            raise _bad("epsilon_high", self.epsilon_high, "use a non-negative value, e.g. 0.28.")
+        if self.epsilon_high < self.epsilon:
+            raise _bad(
+                "epsilon_high",
+                self.epsilon_high,
+                f"Clip-Higher needs epsilon_high >= epsilon ({self.epsilon}); DAPO uses 0.28 with 0.2.",
+            )
+        if self.num_generations is None or self.num_generations < 2:
+            raise _bad("num_generations", self.num_generations, "group advantages need at least 2 samples per prompt.")
+        if self.loss_type != "dapo":
+            raise _bad(
+                "loss_type", self.loss_type, "DAPOTrainer uses the token-level loss; set loss_type='dapo' or use TRL."
+            )
+        if self.beta != 0.0:
+            raise _bad("beta", self.beta, "DAPO has no KL term; set beta=0.0 (use trl.GRPOTrainer for a KL penalty).")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise _bad("clip_ratio_c", self.clip_ratio_c, "the dual-clip bound must exceed 1 (DAPO: 10.0) or be None.")
+        if self.importance_sampling_level != "token":
+            raise _bad(
+                "importance_sampling_level", self.importance_sampling_level, "DAPO clips per token; use 'token'."
+            )
+        for name, neutral in (
+            ("top_entropy_quantile", 1.0),
+            ("entropy_coef", 0.0),
+            ("off_policy_mask_threshold", None),
+        ):
+            if getattr(self, name) != neutral:
+                raise _bad(name, getattr(self, name), f"not part of DAPO; leave it at {neutral!r}.")
+        if self.use_adaptive_entropy:
+            raise _bad("use_adaptive_entropy", True, "not part of DAPO; leave it False.")
+        if self.max_num_gen_batches < 0:
+            raise _bad("max_num_gen_batches", self.max_num_gen_batches, "use 0 (unlimited) or a positive count.")
+        if self.dynamic_sampling_on_limit not in ON_LIMIT_CHOICES:
+            raise _bad("dynamic_sampling_on_limit", self.dynamic_sampling_on_limit, f"use one of {ON_LIMIT_CHOICES}.")
+        if self.max_surplus_age is not None and self.max_surplus_age < 0:
+            raise _bad("max_surplus_age", self.max_surplus_age, "use 0 or a positive number of optimizer steps.")
+        if self.dynamic_sampling and self.scale_rewards not in ("group", "none", True, False):
+            raise _bad(
+                "scale_rewards",
+                self.scale_rewards,
+                "with dynamic sampling the advantage of a kept group must not depend on dropped groups; use 'group'.",
+            )
+        self.dynamic_sampling_oversample = self._parse_oversample(self.dynamic_sampling_oversample)
+        if self.dynamic_sampling_max_oversample < 1.0:
+            raise _bad("dynamic_sampling_max_oversample", self.dynamic_sampling_max_oversample, "use a value >= 1.")
+        if self.overlong_penalty_factor < 0:
+            raise _bad(
+                "overlong_penalty_factor", self.overlong_penalty_factor, "use a non-negative value (DAPO: 1.0)."
+            )
+
+    @staticmethod
+    def _parse_oversample(value: str | float) -> str:
+        """Keep the field a string for argument parsers, but check it names 'auto' or a number >= 1."""
+        if str(value).strip().lower() == "auto":
+            return "auto"
+        try:
+            number = float(value)
+        except ValueError:
+            raise _bad("dynamic_sampling_oversample", value, "use 'auto' or a number >= 1, e.g. '1.0'.") from None
+        if number < 1.0:
+            raise _bad("dynamic_sampling_oversample", value, "use 'auto' or a number >= 1, e.g. '1.0'.")
+        return str(number)
