@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 from datasets import Dataset
 
 from trl_dapo import DAPOConfig
@@ -54,18 +52,18 @@ class ScriptedRollout:
         length = 1 + seed % 7
         ids = [self.low + (seed * (t + 5) + t * t) % self.span for t in range(length)]
         ids.append(self.tokenizer.eos_token_id) if seed % 3 else None
-        logps = [-0.5 - ((seed + 3 * t) % 11) / 5 for t in range(len(ids))]
+        logps = [-5.9 + ((seed + 3 * t) % 11 - 5) / 20 for t in range(len(ids))]
         return ids, logps
 
     def __call__(self, prompts, trainer) -> dict:
-        seen: Counter = Counter()
+        # Groups are consecutive in the global row order, so a row's index in its group is its global row index
+        # modulo the group size, whichever rank holds it.
+        first_row = trainer.accelerator.process_index * len(prompts)
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        for prompt in prompts:
+        for row, prompt in enumerate(prompts, start=first_row):
             text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            index = seen[tuple(ids)]
-            seen[tuple(ids)] += 1
-            completion, logps = self.completion(ids, index)
+            completion, logps = self.completion(ids, row % trainer.num_generations)
             out["prompt_ids"].append(ids)
             out["completion_ids"].append(completion)
             out["logprobs"].append(logps)

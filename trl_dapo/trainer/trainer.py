@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from accelerate.utils import gather_object
@@ -51,7 +51,7 @@ class DAPOTrainer(GRPOTrainer):
     Takes exactly `GRPOTrainer`'s arguments; `args` must be a [`DAPOConfig`].
     """
 
-    _tag_names = ["trl", "dapo"]
+    _tag_names: ClassVar[list[str]] = ["trl", "dapo"]
     _name = "DAPO"
 
     def __init__(self, model, reward_funcs=None, args: DAPOConfig | None = None, **kwargs: Any) -> None:
