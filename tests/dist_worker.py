@@ -58,6 +58,7 @@ def main(model_path: str, output: str) -> None:
             batch["completion_ids"],
             batch["completion_mask"],
             batch["advantages"],
+            strict=True,
         )
     ]
     gathered = [None] * world
