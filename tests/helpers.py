@@ -73,3 +73,8 @@ class ScriptedRollout:
 def length_reward(completion_ids, **kwargs) -> list[float]:
     """Varied within most groups: a completion's length parity."""
     return [float(len(ids) % 2) for ids in completion_ids]
+
+
+def first_token_parity(completion_ids, **kwargs) -> list[float]:
+    """Varied within most groups of a random model's samples (whose lengths mostly hit the limit)."""
+    return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]

@@ -1,5 +1,6 @@
 """A real 2-process data-parallel run (accelerate, gloo, CPU) against a 1-process run of the same global batch."""
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +12,16 @@ TESTS = Path(__file__).parent
 CPU_DDP = TESTS.parent / "recipes" / "accelerate" / "cpu_ddp.yaml"
 
 
-def launch(processes: int, model: str, output: Path, port: int) -> dict:
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(processes: int, model: str, output: Path) -> dict:
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP),
-        "--num_processes", str(processes), "--main_process_port", str(port),
+        "--num_processes", str(processes), "--main_process_port", str(free_port()),
         str(TESTS / "dist_worker.py"), model, str(output),
     ]  # fmt: skip
     result = subprocess.run(command, cwd=TESTS, capture_output=True, text=True, timeout=600)
@@ -25,7 +32,7 @@ def launch(processes: int, model: str, output: Path, port: int) -> dict:
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
     folder = tmp_path_factory.mktemp("dist")
-    return launch(1, tiny_model, folder / "one.pt", 29541), launch(2, tiny_model, folder / "two.pt", 29542)
+    return launch(1, tiny_model, folder / "one.pt"), launch(2, tiny_model, folder / "two.pt")
 
 
 @pytest.mark.distributed

@@ -98,7 +98,11 @@ class DAPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        check_rewards(rewards_per_func, len(prompts) * self.accelerator.num_processes, self.reward_func_names)
+        # The overlong penalty shapes a score but is none: a completion the task functions all skip is unscored.
+        task = slice(0, self.num_task_rewards)
+        check_rewards(
+            rewards_per_func[:, task], len(prompts) * self.accelerator.num_processes, self.reward_func_names[task]
+        )
         self._last_rewards_per_func = rewards_per_func
         return rewards_per_func
 

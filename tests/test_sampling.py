@@ -1,0 +1,196 @@
+"""Group filter, the dynamic-sampling buffer, round sizing and the prompt stream, on hand-built batches."""
+
+import math
+
+import pytest
+import torch
+
+from trl_dapo.rewards import soft_overlong_penalty
+from trl_dapo.sampling import (
+    DynamicSamplingBuffer,
+    DynamicSamplingLimitError,
+    PromptStream,
+    filter_groups,
+    group_outcomes,
+    plan_round_groups,
+    solve_rate,
+)
+from trl_dapo.sampling.rollout_batch import concat_rollouts, shard_rows, trim_padding
+
+G = 2
+
+
+def test_filter_keeps_groups_whose_metric_varies():
+    values = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, -1.0, 1.0, 0.5, math.nan, math.nan, math.nan])
+    assert filter_groups(values, 2).tolist() == [False, True, False, True, False, False]
+    assert group_outcomes(values, 2) == {"qualified": 2, "all_correct": 2, "all_wrong": 2}
+    assert solve_rate(values, 2) == pytest.approx(4 / 6)
+
+
+def test_filter_rejects_a_ragged_metric():
+    with pytest.raises(ValueError, match="groups of 4"):
+        filter_groups(torch.zeros(6), 4)
+
+
+def make_batch(group_ids: list[int], completion_len: int = 3) -> dict:
+    """G rows per group; the group id is written into the completion so tests can follow groups around."""
+    rows = [g for g in group_ids for _ in range(G)]
+    n = len(rows)
+    return {
+        "prompt_ids": torch.tensor([[0, 10 + g] for g in rows]),
+        "prompt_mask": torch.tensor([[0, 1]] * n),
+        "completion_ids": torch.tensor([[g] * completion_len for g in rows]),
+        "completion_mask": torch.ones(n, completion_len, dtype=torch.long),
+        "old_per_token_logps": torch.full((n, completion_len), -1.0),
+        "advantages": torch.tensor([1.0, -1.0] * len(group_ids)),
+    }
+
+
+def scripted_rounds(rounds: list[tuple[list[int], list[bool]]]):
+    """A `generate_round` that plays back (group ids, informative?) per round and records the requested sizes."""
+    requested = []
+
+    def generate(missing: int):
+        requested.append(missing)
+        groups, informative = rounds[len(requested) - 1]
+        metric = torch.tensor([v for keep in informative for v in ((1.0, 0.0) if keep else (1.0, 1.0))])
+        return make_batch(groups), metric
+
+    return generate, requested
+
+
+def groups_of(batch) -> list[int]:
+    return batch["completion_ids"][::G, 0].tolist()
+
+
+def new_buffer(**overrides) -> DynamicSamplingBuffer:
+    settings = dict(num_generations=G, pad_token_id=0, max_num_gen_batches=5, max_surplus_age=1)
+    settings.update(overrides)
+    return DynamicSamplingBuffer(**settings)
+
+
+def test_first_round_uninformative_then_retry_keeps_order_across_rounds():
+    generate, requested = scripted_rounds(
+        [([1, 2, 3], [False, False, False]), ([4, 5, 6], [True, False, True]), ([7, 8], [True, True])]
+    )
+    batch, stats = new_buffer().fill(3, generate, step=0)
+    assert groups_of(batch) == [4, 6, 7]
+    assert requested == [3, 3, 1]
+    assert (stats.gen_batches, stats.generated_groups, stats.qualified_groups) == (3, 8, 4)
+    assert (stats.filtered_all_correct, stats.filtered_all_wrong) == (4, 0)
+    assert stats.metrics()["dapo/sampling_efficiency"] == pytest.approx(4 / 8)
+    assert stats.surplus_groups == 1  # group 8 waits for the next batch
+
+
+def test_surplus_comes_first_next_time_and_ages_out():
+    buffer = new_buffer(max_surplus_age=1)
+    generate, _ = scripted_rounds([([1, 2, 3], [True, True, True])])
+    buffer.fill(2, generate, step=0)
+    assert buffer.num_surplus_groups == 1
+
+    generate, requested = scripted_rounds([([4, 5], [True, True])])
+    batch, stats = buffer.fill(2, generate, step=1)
+    assert groups_of(batch) == [3, 4]  # surplus group 3 first, its rollout logprobs intact
+    assert stats.surplus_used == 1 and requested == [1]
+    assert buffer.num_surplus_groups == 1  # group 5, born at step 1
+
+    generate, _ = scripted_rounds([([6, 7], [True, True])])
+    batch, stats = buffer.fill(2, generate, step=3)  # group 5 is 2 steps old > max_surplus_age
+    assert groups_of(batch) == [6, 7]
+    assert stats.discarded_qualified_groups == 1 and stats.surplus_used == 0
+
+
+def test_surplus_off_discards_and_counts_it():
+    generate, _ = scripted_rounds([([1, 2, 3], [True, True, True])])
+    buffer = new_buffer(keep_surplus=False)
+    _, stats = buffer.fill(1, generate, step=0)
+    assert stats.discarded_qualified_groups == 2 and buffer.num_surplus_groups == 0
+
+
+def test_limit_raises_with_what_was_found():
+    generate, _ = scripted_rounds([([1, 2], [True, False]), ([3, 4], [False, False])])
+    with pytest.raises(DynamicSamplingLimitError, match=r"2 candidate generation rounds .* found 1 of the 3"):
+        new_buffer(max_num_gen_batches=2).fill(3, generate, step=0)
+
+
+def test_limit_can_train_on_partial_in_whole_shareable_groups():
+    generate, _ = scripted_rounds([([1, 2, 3], [True, True, True]), ([4, 5], [False, False])])
+    buffer = new_buffer(max_num_gen_batches=2, on_limit="train_on_partial")
+    batch, stats = buffer.fill(4, generate, step=0, group_multiple=2)
+    assert groups_of(batch) == [1, 2] and stats.partial
+    assert buffer.num_surplus_groups == 1  # group 3 did not fit the multiple: kept, not dropped
+
+
+def test_unlimited_rounds():
+    rounds = [([i], [False]) for i in range(12)] + [([99], [True])]
+    generate, _ = scripted_rounds(rounds)
+    batch, stats = new_buffer(max_num_gen_batches=0).fill(1, generate, step=0)
+    assert groups_of(batch) == [99] and stats.gen_batches == 13
+
+
+def test_buffer_state_round_trips():
+    buffer = new_buffer()
+    generate, _ = scripted_rounds([([1, 2, 3], [True, True, False])])
+    buffer.fill(1, generate, step=4)
+    restored = new_buffer()
+    restored.load_state_dict(buffer.state_dict())
+    assert restored.num_surplus_groups == 1 and restored.surplus_birth.tolist() == [4]
+    assert restored.efficiency == buffer.efficiency
+
+
+@pytest.mark.parametrize(
+    ("missing", "efficiency", "oversample", "minimum", "expected"),
+    [
+        (4, 1.0, "1.0", 0, 4),
+        (4, 0.5, "1.0", 0, 4),  # fixed factor ignores the efficiency
+        (4, 0.5, "2.0", 0, 8),
+        (4, 0.5, "auto", 0, 10),  # 4 / 0.5 * 1.25
+        (4, 0.01, "auto", 0, 32),  # capped
+        (1, 1.0, "1.0", 8, 8),  # the dataloader's batch is generated whole
+        (3, 1.0, "1.0", 0, 4),  # rounded up to the multiple
+    ],
+)
+def test_round_sizing(missing, efficiency, oversample, minimum, expected):
+    assert plan_round_groups(missing, efficiency, oversample, cap=32, multiple=2, minimum=minimum) == expected
+
+
+def test_prompt_stream_covers_each_epoch_and_resumes():
+    stream = PromptStream(5, seed=3)
+    first = stream.take(5)
+    assert sorted(first) == [0, 1, 2, 3, 4]
+    state = stream.state_dict()
+    following = stream.take(7)
+    assert sorted(following[:5]) == [0, 1, 2, 3, 4] and following[:5] != first
+    again = PromptStream(5, seed=0)
+    again.load_state_dict(state)
+    assert again.take(7) == following
+
+
+def test_concat_repads_and_shard_trims():
+    short = make_batch([1], completion_len=2)
+    long = make_batch([2], completion_len=4)
+    long["prompt_ids"] = torch.tensor([[7, 8, 12]] * G)
+    long["prompt_mask"] = torch.ones(G, 3, dtype=torch.long)
+    both = concat_rollouts([short, long], pad_token_id=0)
+    assert both["completion_ids"].shape == (4, 4) and both["prompt_ids"].shape == (4, 3)
+    assert both["completion_mask"][:2].tolist() == [[1, 1, 0, 0]] * 2
+    assert both["prompt_mask"][:2].tolist() == [[0, 0, 1]] * 2  # left padding grows on the left
+    first = shard_rows(both, rank=0, world_size=2)
+    assert first["completion_ids"].shape == (2, 2) and first["prompt_ids"].shape == (2, 1)
+    assert trim_padding(both)["completion_ids"].shape == (4, 4)
+
+
+@pytest.mark.parametrize(
+    ("length", "expected"),
+    [(0, 0.0), (16, 0.0), (17, -0.25), (18, -0.5), (20, -1.0), (25, -1.0)],
+)
+def test_soft_overlong_penalty_at_the_boundaries(length, expected):
+    # max 20, buffer 4: free up to 16 = max - buffer, then -1/4 per token, -1 from 20 on
+    penalty = soft_overlong_penalty(torch.tensor([length]), max_completion_length=20, buffer_len=4, penalty_factor=1.0)
+    assert penalty.item() == pytest.approx(expected)
+
+
+def test_soft_overlong_penalty_factor_and_off_switch():
+    lengths = torch.tensor([18])
+    assert soft_overlong_penalty(lengths, 20, 4, penalty_factor=0.5).item() == pytest.approx(-0.25)
+    assert soft_overlong_penalty(lengths, 20, 0).item() == 0.0
