@@ -7,9 +7,9 @@ a 2-process run with a 1-process run of the same global batch.
 import sys
 
 import torch
-from helpers import ScriptedRollout, arithmetic_prompts, dapo_args
 from transformers import AutoTokenizer
 
+from helpers import ScriptedRollout, arithmetic_prompts, dapo_args
 from trl_dapo import DAPOTrainer
 
 

@@ -7,9 +7,9 @@ big batch per optimizer step, the paper's formula written out here, plain SGD.
 
 import pytest
 import torch
-from helpers import ScriptedRollout, arithmetic_prompts, dapo_args, length_reward
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers import ScriptedRollout, arithmetic_prompts, dapo_args, length_reward
 from trl_dapo import DAPOTrainer
 
 LR = 0.1
