@@ -84,3 +84,38 @@ def build_tiny_model(
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return str(output_dir)
+
+
+def supervised_warm_start(
+    model_dir: str | Path, prompts: list[list[dict]], answers: list[str], steps: int, learning_rate: float = 3e-3
+) -> None:
+    """Full-batch supervised steps on `prompt -> "Answer: <answer>"`, saved back to `model_dir`.
+
+    RL starts from a model that already writes the answer format and is sometimes right; a random-init model never
+    writes `Answer:` at all, so every math reward would be -1. Stopping this early leaves a partly right model,
+    standing in for a base model's prior.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rows, prompt_lengths = [], []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(f"Answer: {answer}{tokenizer.eos_token}", add_special_tokens=False)["input_ids"]
+        rows.append(prompt_ids + answer_ids)
+        prompt_lengths.append(len(prompt_ids))
+    width = max(map(len, rows))
+    input_ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])
+    labels = torch.full_like(input_ids, -100)
+    for index, (row, start) in enumerate(zip(rows, prompt_lengths, strict=True)):
+        labels[index, start : len(row)] = input_ids[index, start : len(row)]
+    attention_mask = (torch.arange(width) < torch.tensor([len(r) for r in rows]).unsqueeze(1)).long()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    model.train()
+    for _ in range(steps):
+        model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(model_dir)

@@ -1,0 +1,132 @@
+"""DAPO on math word problems: the paper's recipe in one command.
+
+    accelerate launch recipes/dapo_math.py --config recipes/configs/qwen2.5_math_7b.yaml
+    python recipes/dapo_math.py --config recipes/configs/tiny_cpu.yaml      # offline, CPU, a few minutes
+
+Every field of `ScriptArguments`, `DAPOConfig` and TRL's `ModelConfig` can be set in the YAML or on the command line
+(the command line wins). Without a model name the run builds the tiny local model, so it works with no download.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trl import ModelConfig, TrlParser, get_peft_config
+
+from trl_dapo import DAPOConfig, DAPOTrainer
+from trl_dapo.data import arithmetic_dataset, load_math_dataset
+from trl_dapo.evaluation import MathAccuracyCallback
+from trl_dapo.reporting import format_summary, plot_training, summarize
+from trl_dapo.rewards.math import PROMPT_TEMPLATE, dapo_math_reward
+from trl_dapo.testing import build_tiny_model, supervised_warm_start
+
+TEMPLATES = {"dapo": PROMPT_TEMPLATE, "plain": "{problem}"}
+
+
+@dataclass
+class ScriptArguments:
+    """Data, evaluation and the offline tiny model."""
+
+    dataset_name: str = field(
+        default="arithmetic",
+        metadata={
+            "help": "'arithmetic' (generated offline), a hub id (e.g. BytedTsinghua-SIA/DAPO-Math-17k) or a file."
+        },
+    )
+    dataset_split: str = field(default="train", metadata={"help": "Split of a hub dataset."})
+    eval_dataset_name: str | None = field(
+        default=None, metadata={"help": "Held-out set (hub id or file); 'arithmetic' uses its generated test split."}
+    )
+    eval_dataset_split: str = field(default="train", metadata={"help": "Split of a hub eval dataset."})
+    prompt_template: str = field(
+        default="dapo", metadata={"help": "'dapo' (the paper's instruction) or 'plain' (the problem alone)."}
+    )
+    arithmetic_num_train: int = field(default=200, metadata={"help": "Generated training problems."})
+    arithmetic_num_test: int = field(default=50, metadata={"help": "Generated held-out problems."})
+    arithmetic_max_operand: int = field(default=9, metadata={"help": "Operands of generated problems: 0..this."})
+    tiny_model_hidden_size: int = field(default=64, metadata={"help": "Width of the locally built tiny model."})
+    tiny_model_warm_start_steps: int = field(
+        default=170, metadata={"help": "Supervised steps for the tiny model before RL (it stays partly wrong)."}
+    )
+    eval_every: int = field(default=0, metadata={"help": "Held-out evaluation every N steps (0: only at the end)."})
+    eval_num_samples: int = field(default=32, metadata={"help": "k of avg@k / pass@k (the paper: 32); 0: no eval."})
+    eval_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature for evaluation."})
+    eval_top_p: float = field(default=0.7, metadata={"help": "top-p for evaluation (the reference recipe: 0.7)."})
+    summary_window: int = field(default=10, metadata={"help": "Logged steps averaged for the first/last summary."})
+
+
+def load_datasets(script_args: ScriptArguments):
+    template = TEMPLATES[script_args.prompt_template]
+    if script_args.dataset_name == "arithmetic":
+        splits = arithmetic_dataset(
+            script_args.arithmetic_num_train,
+            script_args.arithmetic_num_test,
+            script_args.arithmetic_max_operand,
+            template=template,
+        )
+        return splits["train"], splits["test"]
+    train = load_math_dataset(script_args.dataset_name, script_args.dataset_split, template)
+    if script_args.eval_dataset_name is None:
+        return train, None
+    return train, load_math_dataset(script_args.eval_dataset_name, script_args.eval_dataset_split, template)
+
+
+def build_offline_model(script_args: ScriptArguments, training_args: DAPOConfig, train_dataset) -> str:
+    """The embedded default: a tiny Qwen2 built here, briefly warm-started, saved under the output dir."""
+    path = build_tiny_model(
+        Path(training_args.output_dir) / "tiny-model", hidden_size=script_args.tiny_model_hidden_size
+    )
+    supervised_warm_start(
+        path, train_dataset["prompt"], train_dataset["answer"], steps=script_args.tiny_model_warm_start_steps
+    )
+    return path
+
+
+def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: ModelConfig) -> dict:
+    train_dataset, eval_dataset = load_datasets(script_args)
+    if model_args.model_name_or_path:
+        model = model_args.model_name_or_path
+        training_args.model_init_kwargs = {
+            "revision": model_args.model_revision,
+            "trust_remote_code": model_args.trust_remote_code,
+            "attn_implementation": model_args.attn_implementation,
+            "dtype": model_args.dtype,
+        }
+    else:
+        model = build_offline_model(script_args, training_args, train_dataset)
+
+    trainer = DAPOTrainer(
+        model=model,
+        reward_funcs=[dapo_math_reward],
+        args=training_args,
+        train_dataset=train_dataset,
+        peft_config=get_peft_config(model_args),
+    )
+    if eval_dataset is not None and len(eval_dataset) and script_args.eval_num_samples > 0:
+        trainer.add_callback(
+            MathAccuracyCallback(
+                trainer,
+                eval_dataset,
+                k=script_args.eval_num_samples,
+                every=script_args.eval_every,
+                temperature=script_args.eval_temperature,
+                top_p=script_args.eval_top_p,
+            )
+        )
+    trainer.train()
+    trainer.save_model(training_args.output_dir)
+
+    summary = summarize(trainer.state.log_history, script_args.summary_window)
+    if trainer.accelerator.is_main_process:
+        output = Path(training_args.output_dir)
+        plot_training(trainer.state.log_history, output / "training_curves.png")
+        (output / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(format_summary(summary, script_args.summary_window))
+    return summary
+
+
+if __name__ == "__main__":
+    parser = TrlParser((ScriptArguments, DAPOConfig, ModelConfig))
+    main(*parser.parse_args_and_config())

@@ -1,0 +1,70 @@
+"""End-of-run report: a per-step plot and a first-vs-last summary of the logged metrics."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+PANELS = {
+    "accuracy": ("math/accuracy", "eval/accuracy"),
+    "reward": ("reward",),
+    "sampling efficiency": ("dapo/sampling_efficiency",),
+    "response length": ("completions/mean_length",),
+}
+SUMMARY_METRICS = (
+    "math/accuracy",
+    "eval/accuracy",
+    "reward",
+    "dapo/sampling_efficiency",
+    "dapo/gen_batches",
+    "completions/mean_length",
+)
+
+
+def series(log_history: list[dict], name: str) -> tuple[list[int], list[float]]:
+    points = [(h["step"], h[name]) for h in log_history if isinstance(h.get(name), int | float)]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def plot_training(log_history: list[dict], path: str | Path) -> Path:
+    """A 2x2 PNG: accuracy (train samples and held-out), reward, sampling efficiency, response length per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for axis, (title, names) in zip(axes.flat, PANELS.items(), strict=True):
+        for name in names:
+            steps, values = series(log_history, name)
+            if steps:
+                axis.plot(steps, values, marker="." if len(steps) < 50 else None, label=name)
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+        if axis.lines:
+            axis.legend(fontsize=8)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def summarize(log_history: list[dict], window: int = 10) -> dict[str, dict[str, float]]:
+    """Mean of each summary metric over the first and the last `window` logged steps."""
+    summary = {}
+    for name in SUMMARY_METRICS:
+        _, values = series(log_history, name)
+        if values:
+            first, last = values[:window], values[-window:]
+            summary[name] = {"first": sum(first) / len(first), "last": sum(last) / len(last)}
+    return summary
+
+
+def format_summary(summary: dict[str, dict[str, float]], window: int) -> str:
+    lines = [f"| metric | first {window} logs | last {window} logs |", "|---|---|---|"]
+    for name, values in summary.items():
+        first, last = (f"{v:.3f}" if math.isfinite(v) else "n/a" for v in (values["first"], values["last"]))
+        lines.append(f"| {name} | {first} | {last} |")
+    return "\n".join(lines)
