@@ -78,6 +78,11 @@ class DAPOConfig(GRPOConfig):
             `max_completion_length`. `None` takes 20% of `max_completion_length` (DAPO: 4096 of 20480); `0` disables.
         overlong_penalty_factor (`float`, *optional*, defaults to `1.0`):
             Size of the overlong penalty at `max_completion_length`.
+        rollout_engine (`str`, *optional*, defaults to `"auto"`):
+            Generation path. `"static"`: trl-dapo's static-KV-cache decoder (bf16 weight snapshot, CUDA-graph decode
+            step on CUDA), which returns the sampled tokens' logprobs; `"trl"`: TRL's own path (`generate`, vLLM,
+            continuous batching); `"auto"`: `"static"` on CUDA when the model type and set-up allow it, else TRL's,
+            logging why.
     """
 
     epsilon: float = field(default=0.2, metadata={"help": "Lower clip range ε_low."})
@@ -113,6 +118,9 @@ class DAPOConfig(GRPOConfig):
         default=None, metadata={"help": "Soft overlong punishment buffer; None = 20% of max_completion_length."}
     )
     overlong_penalty_factor: float = field(default=1.0, metadata={"help": "Overlong penalty at the max length."})
+    rollout_engine: str = field(
+        default="auto", metadata={"help": "'auto', 'static' or 'trl'.", "choices": ("auto", "static", "trl")}
+    )
 
     def __post_init__(self) -> None:
         self._validate_dapo_fields()
@@ -187,6 +195,8 @@ class DAPOConfig(GRPOConfig):
         self.dynamic_sampling_oversample = self._parse_oversample(self.dynamic_sampling_oversample)
         if self.dynamic_sampling_max_oversample < 1.0:
             raise _bad("dynamic_sampling_max_oversample", self.dynamic_sampling_max_oversample, "use a value >= 1.")
+        if self.rollout_engine not in ("auto", "static", "trl"):
+            raise _bad("rollout_engine", self.rollout_engine, "use 'auto', 'static' or 'trl'.")
         if self.overlong_penalty_factor < 0:
             raise _bad(
                 "overlong_penalty_factor", self.overlong_penalty_factor, "use a non-negative value (DAPO: 1.0)."

@@ -5,6 +5,7 @@ Hooks overridden, and why:
 - `_calculate_rewards`: check the rewards and keep the raw per-function values the group filter needs.
 - `_generate_and_score_completions`: wraps TRL's (never copies it): one call per candidate round, rollout logprobs
   recorded, the global view filtered by the dynamic-sampling buffer, whole groups re-sharded to the ranks.
+- `_generate_single_turn`: routes training generation to the static-cache engine when it applies.
 - `_prepare_inputs`: splits a generation batch into micro-batches and gives each the global token count of its own
   optimizer step (TRL divides by the generation batch's average instead).
 - `_compute_loss`: the DAPO loss of `loss.py` on rollout logprobs.
@@ -26,6 +27,7 @@ from trl.trainer.utils import shuffle_sequence_dict
 
 from ..integrity import RolloutIntegrityError, check_completions, check_groups, check_rewards
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
+from ..rollout import sampling_settings, select_rollout_engine
 from ..sampling import DynamicSamplingBuffer, PromptStream, SamplingStats, plan_round_groups
 from ..sampling.rollout_batch import (
     ROLLOUT_KEYS,
@@ -79,6 +81,8 @@ class DAPOTrainer(GRPOTrainer):
             max_surplus_age=args.max_surplus_age,
         )
         self.prompt_stream = PromptStream(len(self.train_dataset), seed=args.seed + 1, shuffle=self.shuffle_dataset)
+        self.rollout_engine = select_rollout_engine(self)
+        self._engine_weights_step: int | None = None
         self._last_rewards_per_func: torch.Tensor | None = None
 
     def _resolve_filter_column(self, metric: str | None) -> int | None:
@@ -95,6 +99,16 @@ class DAPOTrainer(GRPOTrainer):
         return self.reward_func_names.index(metric)
 
     # ----------------------------------------------------------------------------------------------- generation
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.rollout_engine is None or not self.model.training or images is not None or multimodal_fields:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        if self._engine_weights_step != self.state.global_step:  # weights change once per optimizer step at most
+            self.rollout_engine.sync_weights(self.accelerator.unwrap_model(self.model))
+            self._engine_weights_step = self.state.global_step
+        return self.rollout_engine.generate(prompt_ids, sampling_settings(self.args))
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

@@ -1,0 +1,402 @@
+"""DAPOTrainer against TRL's GRPOTrainer, step for step, on one device; dynamic-sampling cost; the hardware limits.
+
+    python benchmarks/bench_step.py                       # CUDA: Qwen2.5-0.5B and 1.5B architectures, random init
+    python benchmarks/bench_step.py --tiny                # CPU smoke run on the tiny local model
+
+Both trainers get the same random-init model, prompts, batch geometry and seed; generation lengths are pinned with
+`min_new_tokens = max_completion_length` so both sides decode the same number of tokens. Prints a table last and
+writes everything to `benchmarks/results/<name>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_dapo import DAPOConfig, DAPOTrainer
+from trl_dapo.testing import CHAT_TEMPLATE, build_tiny_model
+
+HERE = Path(__file__).parent
+
+
+# ----------------------------------------------------------------------------------------------------- set-up
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """One token per word `t<i>` for every id of the model's vocabulary, so any sampled id decodes."""
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    vocab.update({f"t{i}": i for i in range(3, vocab_size)})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", eos_token="<|im_end|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def prompts(count: int, words: int = 24) -> Dataset:
+    rows = [" ".join(f"t{100 + (7 * i + 13 * j) % 5000}" for j in range(words)) for i in range(count)]
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": r}] for r in rows], "index": list(range(count))})
+
+
+def random_model(config_path: Path, device: str, dtype: torch.dtype, seed: int = 0):
+    torch.manual_seed(seed)
+    config = AutoConfig.from_pretrained(config_path)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+
+
+def parity_reward(completion_ids, **kwargs) -> list[float]:
+    return [float(sum(ids) % 2) for ids in completion_ids]
+
+
+def uninformative_reward(fraction: float):
+    """Groups of prompts with index % 100 < fraction*100 get a constant reward (filtered); others vary."""
+
+    def reward(completion_ids, index, **kwargs) -> list[float]:
+        return [
+            0.0 if i % 100 < fraction * 100 else float(sum(ids) % 2)
+            for ids, i in zip(completion_ids, index, strict=True)
+        ]
+
+    return reward
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class StepTimer(TrainerCallback):
+    """Wall time of each optimizer step, device-synchronised at both ends."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        synchronize()
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        synchronize()
+        self.times.append(time.perf_counter() - self._start)
+
+
+@contextmanager
+def timed_methods(trainer, sections: dict[str, list[float]]):
+    """Time generation and the no-grad logprob passes by wrapping the trainer's own methods (synchronised)."""
+    generate, logps = trainer._generate_single_turn, trainer._get_per_token_logps_and_entropies
+
+    def timed(name, function):
+        def wrapper(*args, **kwargs):
+            synchronize()
+            start = time.perf_counter()
+            result = function(*args, **kwargs)
+            synchronize()
+            key = name if name != "logps" else ("train_forward" if torch.is_grad_enabled() else "logprob_pass")
+            sections.setdefault(key, []).append(time.perf_counter() - start)
+            return result
+
+        return wrapper
+
+    trainer._generate_single_turn = timed("generation", generate)
+    trainer._get_per_token_logps_and_entropies = timed("logps", logps)
+    yield
+
+
+# ------------------------------------------------------------------------------------------------ measurement
+
+
+def run_trainer(kind: str, model, tokenizer, dataset, setup: dict, reward=parity_reward, **extra) -> dict:
+    """Train warm-up + measured steps; return per-step medians (measured steps only) and the logged metrics."""
+    steps = setup["warmup"] + setup["steps"]
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=setup["rows_per_step"] // setup["ga"],
+        gradient_accumulation_steps=setup["ga"],
+        num_generations=setup["generations"],
+        max_completion_length=setup["new_tokens"],
+        generation_kwargs={"min_new_tokens": setup["new_tokens"]},
+        max_steps=steps,
+        learning_rate=1e-6,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        bf16=setup["bf16"],
+        use_cpu=setup["device"] == "cpu",
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        seed=0,
+        epsilon_high=0.28,
+        loss_type="dapo",
+        beta=0.0,
+    )
+    if kind == "trl":
+        trainer_class, config = GRPOTrainer, GRPOConfig(**common)
+    else:
+        dapo = dict(dynamic_sampling=False, overlong_buffer_len=0)
+        dapo.update(extra)
+        trainer_class, config = DAPOTrainer, DAPOConfig(**common, **dapo)
+    timer = StepTimer()
+    trainer = trainer_class(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
+    sections: dict[str, list[float]] = {}
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with timed_methods(trainer, sections):
+        trainer.train()
+    measured = slice(setup["warmup"], None)
+    step_times = timer.times[measured]
+    # generation/logprob calls per step: take the measured steps' share (calls are evenly spread when rounds == 1)
+    calls_per_step = {k: len(v) // steps for k, v in sections.items()}
+    per_step = {
+        k: sum(v[setup["warmup"] * calls_per_step[k] :]) / setup["steps"] if calls_per_step[k] else sum(v) / steps
+        for k, v in sections.items()
+    }
+    step = statistics.median(step_times)
+    generated_tokens = setup["rows_per_step"] * setup["new_tokens"]
+    result = {
+        "step_s": step,
+        "step_times_s": step_times,
+        "generation_s": per_step.get("generation", 0.0),
+        "logprob_pass_s": per_step.get("logprob_pass", 0.0),
+        "train_s": step - per_step.get("generation", 0.0) - per_step.get("logprob_pass", 0.0),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "metrics": [h for h in trainer.state.log_history if "loss" in h][setup["warmup"] :],
+    }
+    generation_time = result["generation_s"] or float("nan")
+    result["generation_tokens_per_s"] = generated_tokens / generation_time
+    result["training_tokens_per_s"] = generated_tokens / result["train_s"]
+    del trainer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def step_comparison(config_path, tokenizer, setup) -> dict:
+    dataset = prompts(4 * setup["rows_per_step"])
+    out = {}
+    for kind in ("trl", "dapo"):
+        model = random_model(config_path, setup["device"], setup["dtype"])
+        out[kind] = run_trainer(kind, model, tokenizer, dataset, setup)
+        del model
+    out["ratio"] = {
+        key: out["dapo"][key] / out["trl"][key]
+        for key in ("step_s", "generation_s", "train_s", "generation_tokens_per_s")
+        if out["trl"][key]
+    }
+    gaps = [m.get("logprob_gap_max") for m in out["dapo"]["metrics"] if "logprob_gap_max" in m]
+    out["dapo_logprob_gap_max"] = max(gaps) if gaps else None
+    return out
+
+
+def sampling_cost(config_path, tokenizer, setup, fractions, oversample_modes) -> list[dict]:
+    """Dynamic sampling with a chosen share of uninformative groups: rounds, efficiency, time per qualified group."""
+    dataset = prompts(64 * setup["rows_per_step"])
+    rows = []
+    for fraction in fractions:
+        for oversample, surplus in oversample_modes:
+            model = random_model(config_path, setup["device"], setup["dtype"])
+            result = run_trainer(
+                "dapo",
+                model,
+                tokenizer,
+                dataset,
+                setup,
+                reward=uninformative_reward(fraction),
+                dynamic_sampling=True,
+                max_num_gen_batches=0,
+                dynamic_sampling_oversample=oversample,
+                dynamic_sampling_keep_surplus=surplus,
+            )
+            del model
+            metrics = result["metrics"]
+
+            def mean(name, rows=metrics):
+                values = [m[name] for m in rows if name in m]
+                return sum(values) / len(values) if values else float("nan")
+
+            qualified = mean("dapo/qualified_groups")
+            rows.append(
+                {
+                    "uninformative": fraction,
+                    "oversample": oversample,
+                    "keep_surplus": surplus,
+                    "rounds_per_step": mean("dapo/gen_batches"),
+                    "generated_groups_per_step": mean("dapo/generated_groups"),
+                    "sampling_efficiency": mean("dapo/sampling_efficiency"),
+                    "step_s": result["step_s"],
+                    "time_per_qualified_group_s": result["step_s"] / qualified if qualified else float("nan"),
+                }
+            )
+    return rows
+
+
+def hardware_ceilings(device: str) -> dict:
+    """Measured bf16 matrix rate and device copy bandwidth (the limits MFU and decode bandwidth are read against)."""
+    if device != "cuda":
+        return {}
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    src = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+
+    def median_ms(function, repeats=20):
+        for _ in range(3):
+            function()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            function()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    matmul_ms = median_ms(lambda: a @ b)
+    copy_ms = median_ms(lambda: dst.copy_(src))
+    return {"bf16_tflops": 2 * 8192**3 / matmul_ms / 1e9, "copy_tb_per_s": 2 * src.numel() * 2 / copy_ms / 1e9}
+
+
+def limits(config_path, setup, comparison, ceilings) -> dict:
+    """Training MFU and decode bandwidth use of the DAPO step, against the measured ceilings."""
+    if not ceilings:
+        return {}
+    config = AutoConfig.from_pretrained(config_path)
+    model = random_model(config_path, "meta", torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    dapo = comparison["dapo"]
+    prompt_tokens = 24 + 8  # words + chat template tokens, per row
+    tokens = setup["rows_per_step"] * (setup["new_tokens"] + prompt_tokens)
+    mfu = 6 * params * tokens / dapo["train_s"] / (ceilings["bf16_tflops"] * 1e12)
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+    mean_context = prompt_tokens + setup["new_tokens"] / 2
+    bytes_per_step = params * 2 + setup["rows_per_step"] * mean_context * kv_bytes_per_token
+    step_s = dapo["generation_s"] / setup["new_tokens"]
+    return {
+        "params": params,
+        "train_mfu": mfu,
+        "decode_step_ms": step_s * 1e3,
+        "decode_bytes_per_step_gb": bytes_per_step / 1e9,
+        "decode_bandwidth_use": bytes_per_step / step_s / (ceilings["copy_tb_per_s"] * 1e12),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+
+def table(results: dict) -> str:
+    lines = [
+        "| model | trainer | step s | generation s | logprob pass s | train s | gen tok/s | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, comparison in results["models"].items():
+        for kind in ("trl", "dapo"):
+            r = comparison[kind]
+            memory = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
+            lines.append(
+                f"| {name} | {kind} | {r['step_s']:.3f} | {r['generation_s']:.3f} | {r['logprob_pass_s']:.3f} | "
+                f"{r['train_s']:.3f} | {r['generation_tokens_per_s']:.0f} | {memory} |"
+            )
+        ratio = comparison["ratio"]
+        lines.append(
+            f"| {name} | DAPO/TRL | {ratio.get('step_s', float('nan')):.3f} | {ratio.get('generation_s', float('nan')):.3f} "
+            f"| | {ratio.get('train_s', float('nan')):.3f} | {ratio.get('generation_tokens_per_s', float('nan')):.1f}x | |"
+        )
+    if results.get("sampling"):
+        lines += [
+            "",
+            "| uninformative | oversample | surplus | rounds/step | groups/step | efficiency | step s | s/qualified group |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in results["sampling"]:
+            lines.append(
+                f"| {r['uninformative']:.0%} | {r['oversample']} | {r['keep_surplus']} | {r['rounds_per_step']:.2f} | "
+                f"{r['generated_groups_per_step']:.1f} | {r['sampling_efficiency']:.2f} | {r['step_s']:.3f} | "
+                f"{r['time_per_qualified_group_s']:.3f} |"
+            )
+    for name, value in results.get("limits", {}).items():
+        lines.append(f"- {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in value.items()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run on the tiny local model")
+    parser.add_argument("--models", nargs="*", default=["qwen2.5-0.5b", "qwen2.5-1.5b"])
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per optimizer step")
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--ga", type=int, default=4, help="gradient accumulation steps")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--sampling", action="store_true", help="also measure dynamic-sampling cost (items 2-3)")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    setup = {
+        "device": device,
+        "dtype": torch.bfloat16 if device == "cuda" else torch.float32,
+        "bf16": device == "cuda",
+        "rows_per_step": args.prompts * args.generations,
+        "generations": args.generations,
+        "new_tokens": args.new_tokens,
+        "ga": args.ga,
+        "steps": args.steps,
+        "warmup": args.warmup,
+    }
+    if args.tiny:
+        tiny_dir = Path(tempfile.mkdtemp())
+        build_tiny_model(tiny_dir)
+        configs = {"tiny": tiny_dir / "config.json"}
+    else:
+        configs = {name: HERE / "configs" / f"{name}.json" for name in args.models}
+    results: dict = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "versions": {
+            m.__name__: m.__version__ for m in map(__import__, ["torch", "transformers", "trl", "accelerate"])
+        },
+        "setup": {k: str(v) for k, v in setup.items()},
+        "models": {},
+    }
+    ceilings = hardware_ceilings(device)
+    results["ceilings"] = ceilings
+    results["limits"] = {}
+    for name, config_path in configs.items():
+        tokenizer = word_tokenizer(AutoConfig.from_pretrained(config_path).vocab_size)
+        results["models"][name] = step_comparison(config_path, tokenizer, setup)
+        results["limits"][name] = limits(config_path, setup, results["models"][name], ceilings)
+        print(table(results), flush=True)
+    if args.sampling or args.tiny:
+        first = next(iter(configs.values()))
+        tokenizer = word_tokenizer(AutoConfig.from_pretrained(first).vocab_size)
+        modes = [("1.0", False), ("1.0", True), ("auto", True)]
+        results["sampling"] = sampling_cost(first, tokenizer, setup, [0.5, 0.8], modes)
+    output = Path(args.output or HERE / "results" / f"bench_step_{'tiny' if args.tiny else device}.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2, default=str))
+    print(table(results))
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()

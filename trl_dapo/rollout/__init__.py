@@ -1,0 +1,78 @@
+"""Rollout engines: which generation path a DAPOTrainer uses, and the static-cache engine itself."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .static_engine import SUPPORTED_MODEL_TYPES, SamplingSettings, StaticRolloutEngine
+
+logger = logging.getLogger(__name__)
+
+# generation_kwargs the static engine honours; any other key sends generation back to TRL's path.
+SUPPORTED_GENERATION_KWARGS = {"min_new_tokens", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k"}
+
+
+def sampling_settings(args) -> SamplingSettings:
+    kwargs = args.generation_kwargs or {}
+    return SamplingSettings(
+        max_new_tokens=kwargs.get("max_new_tokens", args.max_completion_length),
+        temperature=kwargs.get("temperature", args.temperature),
+        top_p=kwargs.get("top_p", args.top_p) or 1.0,
+        top_k=kwargs.get("top_k", args.top_k) or 0,
+        min_new_tokens=kwargs.get("min_new_tokens", 0),
+        greedy=kwargs.get("do_sample", True) is False,
+    )
+
+
+def static_engine_blocker(trainer) -> str | None:
+    """Why the static engine cannot serve this trainer, or None when it can."""
+    args = trainer.args
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    checks = [
+        (args.use_vllm, "use_vllm=True: vLLM generates"),
+        (trainer.rollout_func is not None, "a rollout_func generates"),
+        (bool(trainer.tools), "tool calling needs TRL's multi-turn loop"),
+        (trainer._is_vlm, "multimodal model"),
+        (config.model_type not in SUPPORTED_MODEL_TYPES, f"model type {config.model_type!r} is not supported"),
+        (trainer.is_deepspeed_enabled and _zero3(trainer), "ZeRO-3 shards the weights"),
+        (args.use_transformers_continuous_batching, "continuous batching was asked for"),
+        (trainer.is_fsdp_enabled, "FSDP shards the weights"),
+        (args.min_p is not None or args.repetition_penalty != 1.0, "min_p / repetition_penalty"),
+        (bool(set(args.generation_kwargs or {}) - SUPPORTED_GENERATION_KWARGS), "unsupported generation_kwargs"),
+    ]
+    return next((reason for failed, reason in checks if failed), None)
+
+
+def _zero3(trainer) -> bool:
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def select_rollout_engine(trainer) -> StaticRolloutEngine | None:
+    """The static engine when `rollout_engine` asks for it (or "auto" on CUDA) and the set-up allows, else None."""
+    choice = trainer.args.rollout_engine
+    if choice == "trl":
+        return None
+    on_cuda = trainer.accelerator.device.type == "cuda"
+    if choice == "auto" and not on_cuda:
+        logger.info("rollout_engine='auto': no CUDA device, using TRL's generation path.")
+        return None
+    blocker = static_engine_blocker(trainer)
+    if blocker is not None:
+        if choice == "static":
+            raise ValueError(f"DAPOConfig.rollout_engine='static' cannot be used here: {blocker}.")
+        logger.warning("rollout_engine='auto' falls back to TRL's generation path: %s.", blocker)
+        return None
+    return StaticRolloutEngine(
+        trainer.accelerator.unwrap_model(trainer.model),
+        eos_token_ids=trainer.eos_token_ids,
+        pad_token_id=trainer._tokenizer.pad_token_id,
+        dtype=torch.bfloat16 if on_cuda else torch.float32,
+        cuda_graph=on_cuda,
+    )
+
+
+__all__ = ["SamplingSettings", "StaticRolloutEngine", "sampling_settings", "select_rollout_engine"]

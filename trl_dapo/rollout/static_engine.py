@@ -1,0 +1,305 @@
+"""A static-KV-cache decoder for Llama-family models (Llama, Qwen2, Qwen3, Mistral) that returns sampled logprobs.
+
+TRL's default `generate` path is launch-bound: hundreds of small kernels and Python work per decoded token. Here the
+weights are snapshotted once per generation batch (bf16 on CUDA, LoRA merged, q/k/v and gate/up fused), the KV cache
+is preallocated, and on CUDA one whole decode step — forward, sampling, cache and bookkeeping updates — is captured
+as a CUDA graph and replayed per token. Sampling is Gumbel-max over `logits / temperature` (the same distribution as
+softmax sampling) with optional top-k / top-p; the logprob returned for each sampled token is
+`log_softmax(logits / temperature)`, the quantity TRL's training forward computes, so it is the old policy directly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class SamplingSettings:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_new_tokens: int = 0
+    greedy: bool = False
+
+
+def _linear_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight and bias of a linear layer, with active LoRA adapters merged in (PEFT wraps it as `base_layer`)."""
+    base = getattr(module, "base_layer", module)
+    weight = base.weight.detach()
+    for adapter in getattr(module, "active_adapters", []) or []:
+        if adapter in getattr(module, "lora_A", {}) and not getattr(module, "merged", False):
+            weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+    bias = base.bias.detach() if getattr(base, "bias", None) is not None else None
+    return weight, bias
+
+
+def _cat_linear(modules: list[torch.nn.Module], dtype: torch.dtype):
+    weights, biases = zip(*(_linear_weight(m) for m in modules), strict=True)
+    weight = torch.cat(weights).to(dtype)
+    bias = None if all(b is None for b in biases) else torch.cat([b for b in biases if b is not None]).to(dtype)
+    return weight, bias
+
+
+class StaticRolloutEngine:
+    """Generate completions and their logprobs from left-padded prompts with a preallocated cache."""
+
+    def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int, dtype: torch.dtype, cuda_graph: bool):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.config = base.config
+        if self.config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"static rollout supports {SUPPORTED_MODEL_TYPES}, not {self.config.model_type!r}.")
+        self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
+        self.dtype, self.cuda_graph = dtype, cuda_graph
+        self.num_heads = self.config.num_attention_heads
+        self.num_kv_heads = getattr(self.config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.num_heads
+        self.eps = self.config.rms_norm_eps
+        self._graph_key = None
+        self.sync_weights(model)
+
+    # ------------------------------------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def sync_weights(self, model) -> None:
+        """Snapshot the training weights in the generation dtype (called once per generation batch)."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        decoder, dtype = base.model, self.dtype
+        self.device = decoder.embed_tokens.weight.device
+        self.embed = decoder.embed_tokens.weight.detach().to(dtype)
+        self.final_norm = decoder.norm.weight.detach().to(dtype)
+        lm_head = base.get_output_embeddings()
+        self.lm_head = (
+            self.embed if lm_head.weight is decoder.embed_tokens.weight else _linear_weight(lm_head)[0].to(dtype)
+        )
+        self.layers = []
+        for layer in decoder.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            qkv_weight, qkv_bias = _cat_linear([attention.q_proj, attention.k_proj, attention.v_proj], dtype)
+            gate_up_weight, _ = _cat_linear([mlp.gate_proj, mlp.up_proj], dtype)
+            entry = {
+                "input_norm": layer.input_layernorm.weight.detach().to(dtype),
+                "post_norm": layer.post_attention_layernorm.weight.detach().to(dtype),
+                "qkv_weight": qkv_weight,
+                "qkv_bias": qkv_bias,
+                "o_weight": _linear_weight(attention.o_proj)[0].to(dtype),
+                "gate_up_weight": gate_up_weight,
+                "down_weight": _linear_weight(mlp.down_proj)[0].to(dtype),
+            }
+            if hasattr(attention, "q_norm"):  # Qwen3
+                entry["q_norm"] = attention.q_norm.weight.detach().to(dtype)
+                entry["k_norm"] = attention.k_norm.weight.detach().to(dtype)
+            self.layers.append(entry)
+        self._rotary = decoder.rotary_emb
+
+    def _rope_tables(self, length: int) -> None:
+        if getattr(self, "_rope_length", 0) >= length:
+            return
+        positions = torch.arange(length, device=self.device).unsqueeze(0)
+        probe = torch.zeros(1, device=self.device, dtype=torch.float32)
+        cos, sin = self._rotary(probe, positions)
+        self.cos, self.sin, self._rope_length = cos[0].to(self.dtype), sin[0].to(self.dtype), length
+
+    # ------------------------------------------------------------------------------------------------ forward
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _forward(self, ids, positions, slots, key_mask, caches):
+        """Hidden state of the last position after writing k/v of `ids` (B, T) into cache slots `slots` (T,)."""
+        batch, steps = ids.shape
+        x = F.embedding(ids, self.embed)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (B, 1, T, D)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        for layer, (k_cache, v_cache) in zip(self.layers, caches, strict=True):
+            h = self._rms_norm(x, layer["input_norm"])
+            qkv = F.linear(h, layer["qkv_weight"], layer["qkv_bias"])
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(batch, steps, self.num_heads, self.head_dim)
+            k = k.view(batch, steps, self.num_kv_heads, self.head_dim)
+            if "q_norm" in layer:
+                q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
+            q = self._rotate(q.transpose(1, 2), cos, sin)
+            k = self._rotate(k.transpose(1, 2), cos, sin)
+            v = v.view(batch, steps, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            k_cache.index_copy_(2, slots, k)
+            v_cache.index_copy_(2, slots, v)
+            attention = F.scaled_dot_product_attention(
+                q, k_cache, v_cache, attn_mask=key_mask, enable_gqa=self.num_kv_heads != self.num_heads
+            )
+            x = x + F.linear(attention.transpose(1, 2).reshape(batch, steps, q_size), layer["o_weight"])
+            gate, up = F.linear(self._rms_norm(x, layer["post_norm"]), layer["gate_up_weight"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down_weight"])
+        return self._rms_norm(x[:, -1], self.final_norm)
+
+    def _sample(self, hidden: torch.Tensor, settings: SamplingSettings, step: torch.Tensor):
+        """Next token and its logprob under `logits / temperature` (EOS suppressed before `min_new_tokens`)."""
+        logits = F.linear(hidden, self.lm_head).float()
+        if settings.min_new_tokens:
+            blocked = (step < settings.min_new_tokens).float() * -1e9
+            logits[:, self.eos] += blocked
+        if settings.greedy:
+            token = logits.argmax(dim=-1)
+            return token, torch.log_softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1)
+        logits = logits / settings.temperature
+        logprobs = torch.log_softmax(logits, dim=-1)
+        candidates = logits
+        if settings.top_k or settings.top_p < 1.0:
+            candidates = self._truncate(logits, settings)
+        noise = -torch.log(-torch.log(torch.rand_like(candidates).clamp_(1e-10, 1.0)))
+        token = (candidates + noise).argmax(dim=-1)
+        return token, logprobs.gather(1, token[:, None]).squeeze(1)
+
+    @staticmethod
+    def _truncate(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+        """Top-k then top-p filtering, without host synchronisation."""
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if settings.top_k:
+            drop[:, settings.top_k :] = True
+        if settings.top_p < 1.0:
+            probs = sorted_logits.masked_fill(drop, -math.inf).softmax(dim=-1)
+            drop |= (probs.cumsum(dim=-1) - probs) > settings.top_p
+        return logits.scatter(1, order, sorted_logits.masked_fill(drop, -math.inf))
+
+    # ----------------------------------------------------------------------------------------------- generate
+
+    def _allocate(self, batch: int, length: int, max_new: int) -> None:
+        key = (batch, length, max_new)
+        if getattr(self, "_buffers_key", None) == key:
+            return
+        shape = (batch, self.num_kv_heads, length, self.head_dim)
+        self.caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in self.layers
+        ]
+        device = self.device
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.step = torch.zeros(1, dtype=torch.long, device=device)
+        self.valid = torch.zeros(batch, length, dtype=torch.bool, device=device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.out_tokens = torch.zeros(batch, max_new, dtype=torch.long, device=device)
+        self.out_logps = torch.zeros(batch, max_new, dtype=torch.float32, device=device)
+        self.eos = torch.tensor(self.eos_token_ids, device=device)
+        self._buffers_key, self._graph_key, self._graph = key, None, None
+
+    def _decode_step(self, settings: SamplingSettings) -> None:
+        """One token for every row; every tensor it touches is a static buffer, so it can be graph-captured."""
+        self.valid.index_fill_(1, self.slot, True)
+        hidden = self._forward(
+            self.tokens.unsqueeze(1), self.positions.unsqueeze(1), self.slot, self.valid[:, None, None, :], self.caches
+        )
+        self._record(hidden, settings)
+
+    def _record(self, hidden: torch.Tensor, settings: SamplingSettings) -> None:
+        token, logp = self._sample(hidden, settings, self.step)
+        token = torch.where(self.finished, torch.full_like(token, self.pad_token_id), token)
+        self.out_tokens.index_copy_(1, self.step, token.unsqueeze(1))
+        self.out_logps.index_copy_(1, self.step, logp.unsqueeze(1))
+        self.finished |= torch.isin(token, self.eos)
+        self.tokens.copy_(token)
+        self.positions.add_(1)
+        self.slot.add_(1)
+        self.step.add_(1)
+
+    def _decoder(self, settings: SamplingSettings):
+        """The decode step as a callable: a CUDA graph replay when enabled, else the eager step."""
+        if not self.cuda_graph:
+            return lambda: self._decode_step(settings)
+        key = (self._buffers_key, settings)
+        if self._graph_key != key:
+            state = [t.clone() for t in self._state_tensors()]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._decode_step(settings)  # warm-up outside capture (kernels, workspaces)
+            torch.cuda.current_stream().wait_stream(stream)
+            for tensor, saved in zip(self._state_tensors(), state, strict=True):
+                tensor.copy_(saved)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._decode_step(settings)
+            for tensor, saved in zip(self._state_tensors(), state, strict=True):
+                tensor.copy_(saved)
+            self._graph, self._graph_key = graph, key
+        return self._graph.replay
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [
+            self.tokens,
+            self.positions,
+            self.slot,
+            self.step,
+            self.valid,
+            self.finished,
+            self.out_tokens,
+            self.out_logps,
+        ]
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: list[list[int]], settings: SamplingSettings
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Completion ids (cut after the first EOS, which is kept) and the logprob of each sampled token."""
+        batch = len(prompt_ids)
+        prompt_width = max(map(len, prompt_ids))
+        # Round the cache length up so graphs are reused across batches with slightly different prompt lengths.
+        length = math.ceil((prompt_width + settings.max_new_tokens) / 64) * 64
+        self._allocate(batch, length, settings.max_new_tokens)
+        self._rope_tables(length)
+        decode = self._decoder(settings)  # captured before the prefill fills the state buffers
+
+        ids = torch.full((batch, prompt_width), self.pad_token_id, dtype=torch.long)
+        prompt_mask = torch.zeros(batch, prompt_width, dtype=torch.bool)
+        for row, prompt in enumerate(prompt_ids):
+            ids[row, prompt_width - len(prompt) :] = torch.tensor(prompt)
+            prompt_mask[row, prompt_width - len(prompt) :] = True
+        ids, prompt_mask = ids.to(self.device), prompt_mask.to(self.device)
+        positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        for tensor in self._state_tensors():
+            tensor.zero_()
+        self.valid[:, :prompt_width] = prompt_mask
+        causal = torch.ones(prompt_width, length, dtype=torch.bool, device=self.device).tril()
+        key_mask = causal.unsqueeze(0) & self.valid.unsqueeze(1)
+        # Rows that are all padding at a query position attend to nothing: let them see themselves to stay finite.
+        key_mask |= torch.eye(prompt_width, length, dtype=torch.bool, device=self.device).unsqueeze(0)
+        slots = torch.arange(prompt_width, device=self.device)
+        hidden = self._forward(ids, positions, slots, key_mask.unsqueeze(1), self.caches)
+        self.positions.copy_(positions[:, -1])
+        self.slot.fill_(prompt_width - 1)  # _record advances it to the first decode slot
+        self._record(hidden, settings)
+
+        for step in range(1, settings.max_new_tokens):
+            if step % 32 == 0 and bool(self.finished.all()):
+                break
+            decode()
+        return self._collect(batch)
+
+    def _collect(self, batch: int) -> tuple[list[list[int]], list[list[float]]]:
+        tokens, logps = self.out_tokens.cpu(), self.out_logps.cpu()
+        is_eos = torch.isin(tokens, self.eos.cpu())
+        lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, tokens.size(1)).tolist()
+        steps_run = int(self.step.item())
+        lengths = [min(n, steps_run) for n in lengths]
+        return (
+            [tokens[row, : lengths[row]].tolist() for row in range(batch)],
+            [logps[row, : lengths[row]].tolist() for row in range(batch)],
+        )
