@@ -44,7 +44,9 @@ def main() -> None:
             torch.tensor([prompt], device=device), do_sample=False, max_new_tokens=args.new_tokens,
             min_new_tokens=args.new_tokens, eos_token_id=2, pad_token_id=0,
         )[0, len(prompt):].tolist()  # fmt: skip
-        first_difference = next((i for i, (a, b) in enumerate(zip(completion, reference)) if a != b), len(reference))
+        first_difference = next(
+            (i for i, (a, b) in enumerate(zip(completion, reference, strict=True)) if a != b), len(reference)
+        )
         agree.append(first_difference / len(reference))
 
     # sampled logprobs against a teacher-forced forward pass
