@@ -108,3 +108,21 @@ def test_static_engine_refuses_what_it_cannot_serve(tiny_model, tmp_path):
             train_dataset=arithmetic_prompts(8),
             rollout_func=lambda prompts, trainer: {},
         )
+
+
+def test_weight_sync_reaches_the_next_generation(model_and_tokenizer, tiny_model):
+    _, tokenizer = model_and_tokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    engine = engine_for(model, tokenizer)
+    snapshot = {name: tensor for name, tensor in engine.weights.items()}
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+    engine.sync_weights(model)
+    assert all(engine.weights[name] is tensor for name, tensor in snapshot.items())  # same tensors, new values
+    batch = prompts(tokenizer, 2)
+    completions, logprobs = engine.generate(batch, SamplingSettings(6))
+    for prompt, completion, logps in zip(batch, completions, logprobs, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(logps), teacher_forced_logprobs(model, prompt, completion), atol=1e-4, rtol=1e-4
+        )

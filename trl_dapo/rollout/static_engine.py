@@ -68,35 +68,59 @@ class StaticRolloutEngine:
 
     @torch.no_grad()
     def sync_weights(self, model) -> None:
-        """Snapshot the training weights in the generation dtype (called once per generation batch)."""
+        """Copy the training weights into the snapshot (called once per generation batch).
+
+        The first call allocates the snapshot; later calls copy into the same tensors, which the captured CUDA graph
+        reads, so the graph stays valid across weight updates.
+        """
+        fresh = self._snapshot(model)
+        if not hasattr(self, "weights"):
+            self.weights = fresh
+            self._bind_layers()
+            return
+        for name, tensor in fresh.items():
+            if self.weights[name].data_ptr() != tensor.data_ptr():
+                self.weights[name].copy_(tensor)
+
+    def _snapshot(self, model) -> dict[str, torch.Tensor]:
+        """Generation-dtype weights by name: LoRA merged, q/k/v and gate/up concatenated."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         decoder, dtype = base.model, self.dtype
         self.device = decoder.embed_tokens.weight.device
-        self.embed = decoder.embed_tokens.weight.detach().to(dtype)
-        self.final_norm = decoder.norm.weight.detach().to(dtype)
+        self._rotary = decoder.rotary_emb
+        weights = {
+            "embed": decoder.embed_tokens.weight.detach().to(dtype),
+            "final_norm": decoder.norm.weight.detach().to(dtype),
+        }
         lm_head = base.get_output_embeddings()
-        self.lm_head = (
-            self.embed if lm_head.weight is decoder.embed_tokens.weight else _linear_weight(lm_head)[0].to(dtype)
-        )
-        self.layers = []
-        for layer in decoder.layers:
+        if lm_head.weight is not decoder.embed_tokens.weight:
+            weights["lm_head"] = _linear_weight(lm_head)[0].to(dtype)
+        for index, layer in enumerate(decoder.layers):
             attention, mlp = layer.self_attn, layer.mlp
             qkv_weight, qkv_bias = _cat_linear([attention.q_proj, attention.k_proj, attention.v_proj], dtype)
-            gate_up_weight, _ = _cat_linear([mlp.gate_proj, mlp.up_proj], dtype)
-            entry = {
-                "input_norm": layer.input_layernorm.weight.detach().to(dtype),
-                "post_norm": layer.post_attention_layernorm.weight.detach().to(dtype),
-                "qkv_weight": qkv_weight,
-                "qkv_bias": qkv_bias,
-                "o_weight": _linear_weight(attention.o_proj)[0].to(dtype),
-                "gate_up_weight": gate_up_weight,
-                "down_weight": _linear_weight(mlp.down_proj)[0].to(dtype),
-            }
+            prefix = f"layers.{index}."
+            weights[prefix + "input_norm"] = layer.input_layernorm.weight.detach().to(dtype)
+            weights[prefix + "post_norm"] = layer.post_attention_layernorm.weight.detach().to(dtype)
+            weights[prefix + "qkv_weight"] = qkv_weight
+            if qkv_bias is not None:
+                weights[prefix + "qkv_bias"] = qkv_bias
+            weights[prefix + "o_weight"] = _linear_weight(attention.o_proj)[0].to(dtype)
+            weights[prefix + "gate_up_weight"] = _cat_linear([mlp.gate_proj, mlp.up_proj], dtype)[0]
+            weights[prefix + "down_weight"] = _linear_weight(mlp.down_proj)[0].to(dtype)
             if hasattr(attention, "q_norm"):  # Qwen3
-                entry["q_norm"] = attention.q_norm.weight.detach().to(dtype)
-                entry["k_norm"] = attention.k_norm.weight.detach().to(dtype)
-            self.layers.append(entry)
-        self._rotary = decoder.rotary_emb
+                weights[prefix + "q_norm"] = attention.q_norm.weight.detach().to(dtype)
+                weights[prefix + "k_norm"] = attention.k_norm.weight.detach().to(dtype)
+        return weights
+
+    def _bind_layers(self) -> None:
+        self.embed, self.final_norm = self.weights["embed"], self.weights["final_norm"]
+        self.lm_head = self.weights.get("lm_head", self.embed)
+        self.layers = []
+        for index in range(self.config.num_hidden_layers):
+            prefix = f"layers.{index}."
+            layer = {k[len(prefix) :]: v for k, v in self.weights.items() if k.startswith(prefix)}
+            layer.setdefault("qkv_bias", None)
+            self.layers.append(layer)
 
     def _rope_tables(self, length: int) -> None:
         if getattr(self, "_rope_length", 0) >= length:
@@ -137,13 +161,22 @@ class StaticRolloutEngine:
             v = v.view(batch, steps, self.num_kv_heads, self.head_dim).transpose(1, 2)
             k_cache.index_copy_(2, slots, k)
             v_cache.index_copy_(2, slots, v)
-            attention = F.scaled_dot_product_attention(
-                q, k_cache, v_cache, attn_mask=key_mask, enable_gqa=self.num_kv_heads != self.num_heads
-            )
+            attention = self._attend(q, k_cache, v_cache, key_mask)
             x = x + F.linear(attention.transpose(1, 2).reshape(batch, steps, q_size), layer["o_weight"])
             gate, up = F.linear(self._rms_norm(x, layer["post_norm"]), layer["gate_up_weight"]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer["down_weight"])
         return self._rms_norm(x[:, -1], self.final_norm)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention without repeating the cache: the query heads sharing a k/v head are batched
+        against it. q (B, H, T, D), k/v (B, KV, L, D), key_mask (B, 1, T, L) -> (B, H, T, D)."""
+        batch, heads, steps, dim = q.shape
+        group = heads // self.num_kv_heads
+        q = q.reshape(batch, self.num_kv_heads, group * steps, dim)
+        scores = torch.matmul(q, k.transpose(2, 3)).float() * dim**-0.5
+        scores = scores.view(batch, self.num_kv_heads, group, steps, -1).masked_fill(~key_mask.unsqueeze(1), -math.inf)
+        weights = scores.softmax(dim=-1).to(v.dtype).view(batch, self.num_kv_heads, group * steps, -1)
+        return torch.matmul(weights, v).view(batch, heads, steps, dim)
 
     def _sample(self, hidden: torch.Tensor, settings: SamplingSettings, step: torch.Tensor):
         """Next token and its logprob under `logits / temperature` (EOS suppressed before `min_new_tokens`)."""
