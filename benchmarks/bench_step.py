@@ -347,7 +347,10 @@ def main() -> None:
     parser.add_argument("--ga", type=int, default=4, help="gradient accumulation steps")
     parser.add_argument("--steps", type=int, default=3, help="measured steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--sampling", action="store_true", help="also measure dynamic-sampling cost (items 2-3)")
+    parser.add_argument(
+        "--sections", nargs="*", default=["comparison", "sampling"], choices=["comparison", "sampling"],
+        help="comparison: TRL vs DAPO step; sampling: dynamic-sampling cost and adaptive candidate sizing",
+    )  # fmt: skip
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
 
@@ -381,20 +384,25 @@ def main() -> None:
     ceilings = hardware_ceilings(device)
     results["ceilings"] = ceilings
     results["limits"] = {}
-    for name, config_path in configs.items():
-        tokenizer = word_tokenizer(AutoConfig.from_pretrained(config_path).vocab_size)
-        results["models"][name] = step_comparison(config_path, tokenizer, setup)
-        results["limits"][name] = limits(config_path, setup, results["models"][name], ceilings)
+    output = Path(args.output or HERE / "results" / f"bench_step_{'tiny' if args.tiny else device}.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every section, so a run stopped early keeps what it measured
+        output.write_text(json.dumps(results, indent=2, default=str))
         print(table(results), flush=True)
-    if args.sampling or args.tiny:
+
+    if "comparison" in args.sections:
+        for name, config_path in configs.items():
+            tokenizer = word_tokenizer(AutoConfig.from_pretrained(config_path).vocab_size)
+            results["models"][name] = step_comparison(config_path, tokenizer, setup)
+            results["limits"][name] = limits(config_path, setup, results["models"][name], ceilings)
+            save()
+    if "sampling" in args.sections:
         first = next(iter(configs.values()))
         tokenizer = word_tokenizer(AutoConfig.from_pretrained(first).vocab_size)
         modes = [("1.0", False), ("1.0", True), ("auto", True)]
         results["sampling"] = sampling_cost(first, tokenizer, setup, [0.5, 0.8], modes)
-    output = Path(args.output or HERE / "results" / f"bench_step_{'tiny' if args.tiny else device}.json")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(results, indent=2, default=str))
-    print(table(results))
+        save()
     print(f"wrote {output}")
 
 
