@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accelerate import PartialState
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_dapo import DAPOConfig, DAPOTrainer
@@ -43,8 +44,10 @@ class ScriptArguments:
     prompt_template: str = field(
         default="dapo", metadata={"help": "'dapo' (the paper's instruction) or 'plain' (the problem alone)."}
     )
-    arithmetic_num_train: int = field(default=200, metadata={"help": "Generated training problems."})
-    arithmetic_num_test: int = field(default=50, metadata={"help": "Generated held-out problems."})
+    arithmetic_num_train: int = field(default=80, metadata={"help": "Generated training problems."})
+    arithmetic_num_test: int = field(
+        default=20, metadata={"help": "Generated held-out problems (disjoint from training)."}
+    )
     arithmetic_max_operand: int = field(default=9, metadata={"help": "Operands of generated problems: 0..this."})
     tiny_model_hidden_size: int = field(default=64, metadata={"help": "Width of the locally built tiny model."})
     tiny_model_warm_start_steps: int = field(

@@ -52,7 +52,7 @@ def test_tiny_recipe_runs_end_to_end(tmp_path):
         sys.executable, str(ROOT / "recipes/dapo_math.py"), "--config", str(ROOT / "recipes/configs/tiny_cpu.yaml"),
         "--max_steps", "4", "--logging_steps", "1", "--summary_window", "2", "--output_dir", str(output),
         "--arithmetic_num_train", "20", "--arithmetic_num_test", "4", "--eval_num_samples", "4", "--eval_every", "2",
-        "--report_to", "tensorboard",
+        "--report_to", "tensorboard", "--use_peft", "true", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -62,3 +62,4 @@ def test_tiny_recipe_runs_end_to_end(tmp_path):
     assert (output / "training_curves.png").stat().st_size > 10_000
     assert 0.0 <= summary["eval/accuracy"]["last"] <= 1.0  # held-out avg@k was logged
     assert list((output / "runs").rglob("events.out.tfevents.*"))
+    assert (output / "adapter_config.json").exists()  # LoRA through TRL's ModelConfig

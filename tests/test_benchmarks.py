@@ -1,0 +1,29 @@
+"""The step benchmark runs end to end on the CPU (a smoke run, not a timing)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+
+
+def test_bench_step_tiny_writes_finite_ratios(tmp_path):
+    output = tmp_path / "bench.json"
+    command = [
+        sys.executable, str(BENCHMARKS / "bench_step.py"), "--tiny", "--prompts", "4", "--generations", "4",
+        "--new-tokens", "6", "--ga", "2", "--steps", "1", "--warmup", "1", "--output", str(output),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "| tiny | DAPO/TRL |" in result.stdout
+    results = json.loads(output.read_text())
+    ratios = results["models"]["tiny"]["ratio"]
+    assert {"step_s", "generation_s", "train_s", "generation_tokens_per_s"} <= set(ratios)
+    assert all(math.isfinite(v) and v > 0 for v in ratios.values())
+    sampling = results["sampling"]
+    assert {(r["uninformative"], r["oversample"], r["keep_surplus"]) for r in sampling} == {
+        (f, o, s) for f in (0.5, 0.8) for o, s in (("1.0", False), ("1.0", True), ("auto", True))
+    }
+    assert all(r["generated_groups_per_step"] > 0 for r in sampling)
