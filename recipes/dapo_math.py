@@ -77,14 +77,17 @@ def load_datasets(script_args: ScriptArguments):
 
 
 def build_offline_model(script_args: ScriptArguments, training_args: DAPOConfig, train_dataset) -> str:
-    """The embedded default: a tiny Qwen2 built here, briefly warm-started, saved under the output dir."""
-    path = build_tiny_model(
-        Path(training_args.output_dir) / "tiny-model", hidden_size=script_args.tiny_model_hidden_size
-    )
-    supervised_warm_start(
-        path, train_dataset["prompt"], train_dataset["answer"], steps=script_args.tiny_model_warm_start_steps
-    )
-    return path
+    """The embedded default: a tiny Qwen2 built here and briefly warm-started, saved under the output dir by the main
+    process (the others wait for it, then load the same folder)."""
+    path = Path(training_args.output_dir) / "tiny-model"
+    state = PartialState()
+    with state.main_process_first():
+        if state.is_main_process:
+            build_tiny_model(path, hidden_size=script_args.tiny_model_hidden_size)
+            supervised_warm_start(
+                path, train_dataset["prompt"], train_dataset["answer"], steps=script_args.tiny_model_warm_start_steps
+            )
+    return str(path)
 
 
 def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: ModelConfig) -> dict:
