@@ -213,3 +213,12 @@ def test_resume_gives_the_same_next_batch_and_parameters(tiny_model, tmp_path):
         torch.testing.assert_close(resumed._buffered_inputs[0][key], value, msg=key)
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_streaming_dataset_needs_dynamic_sampling_off(tiny_model, tmp_path):
+    stream = arithmetic_prompts(16).to_iterable_dataset()
+    with pytest.raises(ValueError, match="train_dataset: dynamic sampling draws extra prompts by index"):
+        make_trainer(tiny_model, tmp_path, dataset=stream)
+    trainer = make_trainer(tiny_model, tmp_path, dataset=stream, dynamic_sampling=False, max_steps=1)
+    trainer.train()
+    assert trainer.state.global_step == 1

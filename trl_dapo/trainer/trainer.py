@@ -80,10 +80,21 @@ class DAPOTrainer(GRPOTrainer):
             keep_surplus=args.dynamic_sampling_keep_surplus,
             max_surplus_age=args.max_surplus_age,
         )
-        self.prompt_stream = PromptStream(len(self.train_dataset), seed=args.seed + 1, shuffle=self.shuffle_dataset)
+        self.prompt_stream = self._make_prompt_stream(args)
         self.rollout_engine = select_rollout_engine(self)
         self._engine_weights_step: int | None = None
         self._last_rewards_per_func: torch.Tensor | None = None
+
+    def _make_prompt_stream(self, args: DAPOConfig) -> PromptStream | None:
+        """Extra candidate rounds draw prompts by index, which a streaming dataset cannot give."""
+        if not args.dynamic_sampling:
+            return None
+        if not hasattr(self.train_dataset, "__len__"):
+            raise ValueError(
+                "train_dataset: dynamic sampling draws extra prompts by index, which an IterableDataset cannot "
+                "provide; pass a map-style Dataset or set DAPOConfig.dynamic_sampling=False."
+            )
+        return PromptStream(len(self.train_dataset), seed=args.seed + 1, shuffle=self.shuffle_dataset)
 
     def _resolve_filter_column(self, metric: str | None) -> int | None:
         """Column of the per-function rewards the filter reads; `None` means the weighted total."""
@@ -323,7 +334,7 @@ class DAPOTrainer(GRPOTrainer):
             torch.save(
                 {
                     "buffer": _to_cpu(self.sampling_buffer.state_dict()),
-                    "prompt_stream": self.prompt_stream.state_dict(),
+                    "prompt_stream": self.prompt_stream.state_dict() if self.prompt_stream is not None else None,
                 },
                 os.path.join(folder, SAMPLING_STATE_FILE),
             )
@@ -338,7 +349,8 @@ class DAPOTrainer(GRPOTrainer):
                 device = self.accelerator.device
                 buffer_state["surplus"] = {k: v.to(device) for k, v in buffer_state["surplus"].items()}
             self.sampling_buffer.load_state_dict(buffer_state)
-            self.prompt_stream.load_state_dict(state["prompt_stream"])
+            if self.prompt_stream is not None and state["prompt_stream"] is not None:
+                self.prompt_stream.load_state_dict(state["prompt_stream"])
 
 
 def _to_cpu(state: dict) -> dict:
