@@ -318,8 +318,9 @@ class DAPOTrainer(GRPOTrainer):
         }
         weighted = torch.stack([value.float() * count for value in named.values()] + [count])
         totals = self.accelerator.reduce(weighted, reduction="sum")
-        for index, name in enumerate(named):
-            self._metrics[mode][name].append((totals[index] / totals[-1].clamp(min=1)).item())
+        means = (totals[:-1] / totals[-1].clamp(min=1)).tolist()  # one host synchronisation for all of them
+        for name, value in zip(named, means, strict=True):
+            self._metrics[mode][name].append(value)
         gap_max = gap.max() if gap.numel() else count * 0
         self._metrics[mode]["logprob_gap_max"].append(self.accelerator.reduce(gap_max, reduction="max").item())
 
