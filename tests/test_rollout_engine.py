@@ -126,3 +126,17 @@ def test_weight_sync_reaches_the_next_generation(model_and_tokenizer, tiny_model
         torch.testing.assert_close(
             torch.tensor(logps), teacher_forced_logprobs(model, prompt, completion), atol=1e-4, rtol=1e-4
         )
+
+
+def test_row_buckets_give_the_same_completions(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    batch = prompts(tokenizer, 5)
+    greedy = SamplingSettings(8, greedy=True)
+    plain, _ = engine_for(model, tokenizer).generate(batch, greedy)
+    bucketed_engine = StaticRolloutEngine(
+        model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, dtype=torch.float32,
+        cuda_graph=False, bucket_rows=True,
+    )  # fmt: skip
+    bucketed, logprobs = bucketed_engine.generate(batch, greedy)
+    assert bucketed == plain and len(logprobs) == 5
+    assert bucketed_engine._buffers_key[0] == 16  # 5 rows ran as a bucket of 16

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MIN_BATCH_BUCKET = 16
 
 
 @dataclass
@@ -50,13 +51,23 @@ def _cat_linear(modules: list[torch.nn.Module], dtype: torch.dtype):
 class StaticRolloutEngine:
     """Generate completions and their logprobs from left-padded prompts with a preallocated cache."""
 
-    def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int, dtype: torch.dtype, cuda_graph: bool):
+    def __init__(
+        self,
+        model,
+        *,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        dtype: torch.dtype,
+        cuda_graph: bool,
+        bucket_rows: bool | None = None,
+    ):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.config = base.config
         if self.config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"static rollout supports {SUPPORTED_MODEL_TYPES}, not {self.config.model_type!r}.")
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
         self.dtype, self.cuda_graph = dtype, cuda_graph
+        self.bucket_rows = cuda_graph if bucket_rows is None else bucket_rows
         self.num_heads = self.config.num_attention_heads
         self.num_kv_heads = getattr(self.config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.num_heads
@@ -292,7 +303,11 @@ class StaticRolloutEngine:
         self, prompt_ids: list[list[int]], settings: SamplingSettings
     ) -> tuple[list[list[int]], list[list[float]]]:
         """Completion ids (cut after the first EOS, which is kept) and the logprob of each sampled token."""
-        batch = len(prompt_ids)
+        requested = len(prompt_ids)
+        # Dynamic-sampling rounds come in many sizes: round the rows up to a power of two (filler rows repeat the
+        # last prompt and are dropped) so a few captured graphs and caches serve them all.
+        batch = max(MIN_BATCH_BUCKET, 2 ** math.ceil(math.log2(requested))) if self.bucket_rows else requested
+        prompt_ids = list(prompt_ids) + [prompt_ids[-1]] * (batch - requested)
         prompt_width = max(map(len, prompt_ids))
         # Round the cache length up so graphs are reused across batches with slightly different prompt lengths.
         length = math.ceil((prompt_width + settings.max_new_tokens) / 64) * 64
@@ -324,7 +339,8 @@ class StaticRolloutEngine:
             if step % 32 == 0 and bool(self.finished.all()):
                 break
             decode()
-        return self._collect(batch)
+        completions, logprobs = self._collect(batch)
+        return completions[:requested], logprobs[:requested]
 
     def _collect(self, batch: int) -> tuple[list[list[int]], list[list[float]]]:
         tokens, logps = self.out_tokens.cpu(), self.out_logps.cpu()
