@@ -9,8 +9,9 @@ import sys
 import torch
 from transformers import AutoTokenizer
 
-from helpers import ScriptedRollout, arithmetic_prompts, dapo_args
+from helpers import arithmetic_prompts, dapo_args
 from trl_dapo import DAPOTrainer
+from trl_dapo.testing import ScriptedRollout
 
 
 def reward_by_prompt(completion_ids, index, **kwargs) -> list[float]:

@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import ScriptedRollout, arithmetic_prompts, dapo_args, length_reward
+from helpers import arithmetic_prompts, dapo_args, length_reward
 from trl_dapo import DAPOTrainer
+from trl_dapo.testing import ScriptedRollout
 
 LR = 0.1
 

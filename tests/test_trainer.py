@@ -8,11 +8,12 @@ import torch
 from peft import LoraConfig
 from transformers import AutoTokenizer
 
-from helpers import ScriptedRollout, arithmetic_prompts, dapo_args, first_token_parity, length_reward
+from helpers import arithmetic_prompts, dapo_args, first_token_parity, length_reward
 from trl_dapo import DAPOTrainer
 from trl_dapo.integrity import RolloutIntegrityError
 from trl_dapo.rewards import soft_overlong_penalty
 from trl_dapo.sampling import DynamicSamplingLimitError
+from trl_dapo.testing import ScriptedRollout
 
 DAPO_METRICS = [
     "clip_ratio/low_mean",
