@@ -27,3 +27,17 @@ def test_bench_step_tiny_writes_finite_ratios(tmp_path):
         (f, o, s) for f in (0.5, 0.8) for o, s in (("1.0", False), ("1.0", True), ("auto", True))
     }
     assert all(r["generated_groups_per_step"] > 0 for r in sampling)
+
+
+def test_multi_gpu_bench_on_cpu_processes_matches_one_rank(tmp_path):
+    output = tmp_path / "multi.json"
+    command = [
+        sys.executable, str(BENCHMARKS / "bench_multi_gpu.py"), "--tiny", "--configs", "cpu_ddp", "--steps", "2",
+        "--output", str(output),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (row,) = json.loads(output.read_text())["rows"]
+    assert row["processes"] == 2
+    assert row["update_relative_difference"] < 1e-5  # 2 ranks make the 1-rank update, two steps running
+    assert math.isfinite(row["speedup"]) and row["speedup"] > 0

@@ -1,0 +1,113 @@
+"""One process of `bench_multi_gpu.py`: DAPO optimizer steps on a fixed, rank-independent generation batch.
+
+Launched by `accelerate launch` with 1 or N processes. The scripted rollout makes the global generation batch the
+same whatever the number of ranks, so the parameter update of N ranks can be compared with 1 rank's. Rank 0 writes
+the update (fp32) and every rank its step times and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_step import HERE, prompts, synchronize, word_tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+from trl_dapo import DAPOConfig, DAPOTrainer
+from trl_dapo.testing import ScriptedRollout, build_tiny_model
+
+
+def varied_reward(completion_ids, **kwargs) -> list[float]:
+    return [float(len(ids) % 2) for ids in completion_ids]
+
+
+class StepTimes(TrainerCallback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        synchronize()
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        synchronize()
+        self.times.append(time.perf_counter() - self.start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen2.5-1.5b", help="a config name in benchmarks/configs, or 'tiny'")
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--rows-per-step", type=int, default=64)
+    parser.add_argument("--ga", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1)
+    args = parser.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+
+    if args.model == "tiny":
+        path = Path(tempfile.gettempdir()) / "dapo-multi-gpu-tiny"
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (path / "config.json").exists():
+            build_tiny_model(path)
+        while not (path / "tokenizer_config.json").exists():
+            time.sleep(0.5)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
+    else:
+        config = AutoConfig.from_pretrained(HERE / "configs" / f"{args.model}.json")
+        tokenizer = word_tokenizer(config.vocab_size)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # fp32 master weights, bf16 autocast
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    timer = StepTimes()
+    trainer = DAPOTrainer(
+        model=model,
+        reward_funcs=varied_reward,
+        args=DAPOConfig(
+            output_dir=tempfile.mkdtemp(),
+            per_device_train_batch_size=args.rows_per_step // world // args.ga,
+            gradient_accumulation_steps=args.ga,
+            num_generations=8,
+            max_completion_length=8,
+            max_steps=args.steps,
+            learning_rate=1e-2,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            max_grad_norm=0.0,
+            bf16=cuda,
+            use_cpu=not cuda,
+            gradient_checkpointing=False,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        ),
+        train_dataset=prompts(4 * args.rows_per_step),
+        processing_class=tokenizer,
+        rollout_func=ScriptedRollout(tokenizer, vocab_low=3, vocab_high=min(config.vocab_size, 5000)),
+        callbacks=[timer],
+    )
+    trainer.train()
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # gathers ZeRO-3 shards on rank 0
+    rank = trainer.accelerator.process_index
+    report = {
+        "rank": rank,
+        "world": world,
+        "step_times_s": timer.times,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "metrics": [h for h in trainer.state.log_history if "loss" in h],
+    }
+    Path(f"{args.output}.rank{rank}.json").write_text(json.dumps(report))
+    if trainer.accelerator.is_main_process:
+        update = {name: state[name].float().cpu() - before[name] for name in before if name in state}
+        torch.save(update, f"{args.output}.update.pt")
+
+
+if __name__ == "__main__":
+    main()
