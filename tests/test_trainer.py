@@ -202,8 +202,17 @@ def test_lora_and_evaluation(tiny_model, tmp_path):
     assert logged(trainer, "eval_loss")
 
 
-def test_resume_gives_the_same_next_batch_and_parameters(tiny_model, tmp_path):
-    settings = dict(scripted=True, dynamic_sampling_oversample="2.0", max_steps=3, save_strategy="steps", save_steps=2)
+@pytest.mark.parametrize("scripted", [True, False], ids=["scripted-rollout", "sampled-generation"])
+def test_resume_gives_the_same_next_batch_and_parameters(tiny_model, tmp_path, scripted):
+    # with sampled generation the checkpoint's RNG state (restored by the Trainer) must reproduce the samples too
+    settings = dict(
+        scripted=scripted,
+        reward=length_reward if scripted else first_token_parity,
+        dynamic_sampling_oversample="2.0",
+        max_steps=3,
+        save_strategy="steps",
+        save_steps=2,
+    )
     straight = make_trainer(tiny_model, tmp_path / "straight", **settings)
     straight.train()
     assert any(h.get("dapo/surplus_groups", 0) > 0 for h in straight.state.log_history[:2])
