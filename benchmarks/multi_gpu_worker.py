@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_step import HERE, prompts, synchronize, word_tokenizer
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from bench_step import HERE, StepTimer, prompts, word_tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from trl_dapo import DAPOConfig, DAPOTrainer
 from trl_dapo.testing import ScriptedRollout, build_tiny_model
@@ -24,19 +24,6 @@ from trl_dapo.testing import ScriptedRollout, build_tiny_model
 
 def varied_reward(completion_ids, **kwargs) -> list[float]:
     return [float(len(ids) % 2) for ids in completion_ids]
-
-
-class StepTimes(TrainerCallback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        synchronize()
-        self.start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        synchronize()
-        self.times.append(time.perf_counter() - self.start)
 
 
 def main() -> None:
@@ -65,7 +52,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # fp32 master weights, bf16 autocast
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
 
-    timer = StepTimes()
+    timer = StepTimer()
     trainer = DAPOTrainer(
         model=model,
         reward_funcs=varied_reward,
