@@ -50,9 +50,11 @@ def prompts(count: int, words: int = 24) -> Dataset:
 
 
 def random_model(config_path: Path, device: str, dtype: torch.dtype, seed: int = 0):
+    """Random init directly on the device (initialising a 1.5B model on the host takes longer than a step)."""
     torch.manual_seed(seed)
     config = AutoConfig.from_pretrained(config_path)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def parity_reward(completion_ids, **kwargs) -> list[float]:
