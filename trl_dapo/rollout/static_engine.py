@@ -270,19 +270,19 @@ class StaticRolloutEngine:
             return lambda: self._decode_step(settings)
         key = (self._buffers_key, settings)
         if self._graph_key != key:
-            state = [t.clone() for t in self._state_tensors()]
+            # Warm-up and capture run at cache slot 0, which every prefill rewrites, so what they write into the
+            # cache (NaN: no key is valid yet) never reaches a later step; `generate` resets the state afterwards.
+            for tensor in self._state_tensors():
+                tensor.zero_()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._decode_step(settings)  # warm-up outside capture (kernels, workspaces)
             torch.cuda.current_stream().wait_stream(stream)
-            for tensor, saved in zip(self._state_tensors(), state, strict=True):
-                tensor.copy_(saved)
+            self.slot.zero_()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._decode_step(settings)
-            for tensor, saved in zip(self._state_tensors(), state, strict=True):
-                tensor.copy_(saved)
             self._graph, self._graph_key = graph, key
         return self._graph.replay
 
@@ -313,7 +313,7 @@ class StaticRolloutEngine:
         length = math.ceil((prompt_width + settings.max_new_tokens) / 64) * 64
         self._allocate(batch, length, settings.max_new_tokens)
         self._rope_tables(length)
-        decode = self._decoder(settings)  # captured before the prefill fills the state buffers
+        decode = self._decoder(settings)  # captured before the state is reset and the prefill fills it
 
         ids = torch.full((batch, prompt_width), self.pad_token_id, dtype=torch.long)
         prompt_mask = torch.zeros(batch, prompt_width, dtype=torch.bool)
