@@ -15,7 +15,6 @@ import json
 import statistics
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -93,8 +92,7 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self._start)
 
 
-@contextmanager
-def timed_methods(trainer, sections: dict[str, list[float]]):
+def time_methods(trainer, sections: dict[str, list[float]]) -> None:
     """Time generation and the no-grad logprob passes by wrapping the trainer's own methods (synchronised)."""
     generate, logps = trainer._generate_single_turn, trainer._get_per_token_logps_and_entropies
 
@@ -112,7 +110,6 @@ def timed_methods(trainer, sections: dict[str, list[float]]):
 
     trainer._generate_single_turn = timed("generation", generate)
     trainer._get_per_token_logps_and_entropies = timed("logps", logps)
-    yield
 
 
 # ------------------------------------------------------------------------------------------------ measurement
@@ -160,8 +157,8 @@ def run_trainer(kind: str, model, tokenizer, dataset, setup: dict, reward=parity
     sections: dict[str, list[float]] = {}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with timed_methods(trainer, sections):
-        trainer.train()
+    time_methods(trainer, sections)
+    trainer.train()
     measured = slice(setup["warmup"], None)
     step_times = timer.times[measured]
     # generation/logprob calls per step: take the measured steps' share (calls are evenly spread when rounds == 1)
