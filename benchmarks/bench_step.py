@@ -93,8 +93,8 @@ class StepTimer(TrainerCallback):
 
 
 def time_methods(trainer, sections: dict[str, list[float]]) -> None:
-    """Time generation and the no-grad logprob passes by wrapping the trainer's own methods (synchronised)."""
-    generate, logps = trainer._generate_single_turn, trainer._get_per_token_logps_and_entropies
+    """Time the trainer's own methods by wrapping them (device-synchronised): generation, the no-grad logprob pass,
+    generation + scoring + bookkeeping, and whole micro-batch training steps (which contain the former)."""
 
     def timed(name, function):
         def wrapper(*args, **kwargs):
@@ -108,14 +108,21 @@ def time_methods(trainer, sections: dict[str, list[float]]) -> None:
 
         return wrapper
 
-    trainer._generate_single_turn = timed("generation", generate)
-    trainer._get_per_token_logps_and_entropies = timed("logps", logps)
+    for name, method in [
+        ("generation", "_generate_single_turn"),
+        ("logps", "_get_per_token_logps_and_entropies"),
+        ("generate_and_score", "_generate_and_score_completions"),
+        ("training_step", "training_step"),
+    ]:
+        setattr(trainer, method, timed(name, getattr(trainer, method)))
 
 
 # ------------------------------------------------------------------------------------------------ measurement
 
 
-def run_trainer(kind: str, model, tokenizer, dataset, setup: dict, reward=parity_reward, **extra) -> dict:
+def run_trainer(
+    kind: str, model, tokenizer, dataset, setup: dict, reward=parity_reward, peft_config=None, **extra
+) -> dict:
     """Train warm-up + measured steps; return per-step medians (measured steps only) and the logged metrics."""
     steps = setup["warmup"] + setup["steps"]
     common = dict(
@@ -143,8 +150,7 @@ def run_trainer(kind: str, model, tokenizer, dataset, setup: dict, reward=parity
         trainer_class, config = GRPOTrainer, GRPOConfig(**common)
     else:
         dapo = dict(dynamic_sampling=False, overlong_buffer_len=0)
-        dapo.update(extra)
-        trainer_class, config = DAPOTrainer, DAPOConfig(**common, **dapo)
+        trainer_class, config = DAPOTrainer, DAPOConfig(**{**common, **dapo, **extra})
     timer = StepTimer()
     trainer = trainer_class(
         model=model,
@@ -153,6 +159,7 @@ def run_trainer(kind: str, model, tokenizer, dataset, setup: dict, reward=parity
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[timer],
+        peft_config=peft_config,
     )
     sections: dict[str, list[float]] = {}
     if torch.cuda.is_available():
@@ -169,14 +176,24 @@ def run_trainer(kind: str, model, tokenizer, dataset, setup: dict, reward=parity
     }
     step = statistics.median(step_times)
     generated_tokens = setup["rows_per_step"] * setup["new_tokens"]
+    generation, logprob_pass = per_step.get("generation", 0.0), per_step.get("logprob_pass", 0.0)
     result = {
         "step_s": step,
         "step_times_s": step_times,
-        "generation_s": per_step.get("generation", 0.0),
-        "logprob_pass_s": per_step.get("logprob_pass", 0.0),
-        "train_s": step - per_step.get("generation", 0.0) - per_step.get("logprob_pass", 0.0),
+        "generation_s": generation,
+        "logprob_pass_s": logprob_pass,
+        # the rest is taken from the mean step, as the sections are: per-step medians would not add up
+        "train_s": statistics.mean(step_times) - generation - logprob_pass,
+        # where the rest of the step goes: scoring and bookkeeping around generation, the micro-batches' forward,
+        # loss and backward, and what the optimizer step, clipping and logging take outside them
+        "rest_split_s": {
+            "score_and_bookkeeping": per_step.get("generate_and_score", 0.0) - generation - logprob_pass,
+            "forward_backward": per_step.get("training_step", 0.0) - per_step.get("generate_and_score", 0.0),
+            "optimizer_and_logging": statistics.mean(step_times) - per_step.get("training_step", 0.0),
+        },
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "metrics": [h for h in trainer.state.log_history if "loss" in h][setup["warmup"] :],
+        "static_engine": getattr(trainer, "rollout_engine", None) is not None,
     }
     generation_time = result["generation_s"] or float("nan")
     result["generation_tokens_per_s"] = generated_tokens / generation_time
@@ -204,10 +221,10 @@ def step_comparison(config_path, tokenizer, setup) -> dict:
     return out
 
 
-def sampling_cost(config_path, tokenizer, setup, fractions, oversample_modes) -> list[dict]:
-    """Dynamic sampling with a chosen share of uninformative groups: rounds, efficiency, time per qualified group."""
+def sampling_cost(config_path, tokenizer, setup, fractions, oversample_modes, rows: list[dict], save) -> None:
+    """Dynamic sampling with a chosen share of uninformative groups: rounds, efficiency, time per qualified group
+    (appended to `rows`, saved after each run)."""
     dataset = prompts(64 * setup["rows_per_step"])
-    rows = []
     for fraction in fractions:
         for oversample, surplus in oversample_modes:
             model = random_model(config_path, setup["device"], setup["dtype"])
@@ -243,7 +260,30 @@ def sampling_cost(config_path, tokenizer, setup, fractions, oversample_modes) ->
                     "time_per_qualified_group_s": result["step_s"] / qualified if qualified else float("nan"),
                 }
             )
-    return rows
+            save()
+
+
+def engine_variants(config_path, tokenizer, setup) -> dict:
+    """The DAPO step with gradient checkpointing on, and with a LoRA adapter (merged into the engine's snapshot)."""
+    from peft import LoraConfig
+
+    dataset = prompts(4 * setup["rows_per_step"])
+    variants = {
+        "gradient_checkpointing": ({"gradient_checkpointing": True}, None),
+        "lora_r16_all_linear": ({"learning_rate": 1e-5}, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")),
+    }
+    out = {}
+    for name, (extra, peft_config) in variants.items():
+        model = random_model(config_path, setup["device"], setup["dtype"])
+        result = run_trainer("dapo", model, tokenizer, dataset, setup, peft_config=peft_config, **extra)
+        gaps = [m["logprob_gap_max"] for m in result["metrics"] if "logprob_gap_max" in m]
+        out[name] = {
+            key: result[key]
+            for key in ("step_s", "generation_s", "train_s", "generation_tokens_per_s", "peak_memory_gib")
+        }
+        out[name].update(static_engine=result["static_engine"], logprob_gap_max=max(gaps) if gaps else None)
+        del model
+    return out
 
 
 def hardware_ceilings(device: str) -> dict:
@@ -319,6 +359,10 @@ def table(results: dict) -> str:
             f"| {name} | DAPO/TRL | {ratio.get('step_s', float('nan')):.3f} | {ratio.get('generation_s', float('nan')):.3f} "
             f"| | {ratio.get('train_s', float('nan')):.3f} | {ratio.get('generation_tokens_per_s', float('nan')):.1f}x | |"
         )
+    for name, comparison in results["models"].items():
+        for kind in ("trl", "dapo"):
+            split = comparison[kind]["rest_split_s"]
+            lines.append(f"- {name} {kind} rest of step (s): " + ", ".join(f"{k} {v:.4f}" for k, v in split.items()))
     if results.get("sampling"):
         lines += [
             "",
@@ -331,6 +375,12 @@ def table(results: dict) -> str:
                 f"{r['generated_groups_per_step']:.1f} | {r['sampling_efficiency']:.2f} | {r['step_s']:.3f} | "
                 f"{r['time_per_qualified_group_s']:.3f} |"
             )
+    for name, r in results.get("variants", {}).items():
+        lines.append(
+            f"- DAPO with {name}: step {r['step_s']:.3f} s, generation {r['generation_tokens_per_s']:.0f} tok/s, "
+            f"peak {r['peak_memory_gib'] or 0:.1f} GiB, static engine {r['static_engine']}, "
+            f"logprob gap max {r['logprob_gap_max']}"
+        )
     for name, value in results.get("limits", {}).items():
         lines.append(f"- {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in value.items()))
     return "\n".join(lines)
@@ -347,8 +397,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument(
-        "--sections", nargs="*", default=["comparison", "sampling"], choices=["comparison", "sampling"],
-        help="comparison: TRL vs DAPO step; sampling: dynamic-sampling cost and adaptive candidate sizing",
+        "--sections", nargs="*", default=["comparison", "variants", "sampling"],
+        choices=["comparison", "variants", "sampling"],
+        help="comparison: TRL vs DAPO step; variants: DAPO with gradient checkpointing / LoRA; sampling: "
+        "dynamic-sampling cost and adaptive candidate sizing",
     )  # fmt: skip
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
@@ -396,12 +448,15 @@ def main() -> None:
             results["models"][name] = step_comparison(config_path, tokenizer, setup)
             results["limits"][name] = limits(config_path, setup, results["models"][name], ceilings)
             save()
-    if "sampling" in args.sections:
-        first = next(iter(configs.values()))
-        tokenizer = word_tokenizer(AutoConfig.from_pretrained(first).vocab_size)
-        modes = [("1.0", False), ("1.0", True), ("auto", True)]
-        results["sampling"] = sampling_cost(first, tokenizer, setup, [0.5, 0.8], modes)
+    first = next(iter(configs.values()))
+    tokenizer = word_tokenizer(AutoConfig.from_pretrained(first).vocab_size)
+    if "variants" in args.sections:
+        results["variants"] = engine_variants(first, tokenizer, setup)
         save()
+    if "sampling" in args.sections:
+        modes = [("1.0", False), ("1.0", True), ("auto", True)]
+        results["sampling"] = []
+        sampling_cost(first, tokenizer, setup, [0.5, 0.8], modes, results["sampling"], save)
     print(f"wrote {output}")
 
 

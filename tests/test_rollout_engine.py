@@ -21,10 +21,10 @@ def prompts(tokenizer, count=6):
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
-def engine_for(model, tokenizer):
+def engine_for(model, tokenizer, **options):
     return StaticRolloutEngine(
         model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, dtype=torch.float32,
-        cuda_graph=False,
+        cuda_graph=False, **options,
     )  # fmt: skip
 
 
@@ -46,6 +46,25 @@ def test_greedy_tokens_equal_generate(model_and_tokenizer):
         assert completion == reference[: len(completion)] and len(completion) == len(reference)
 
 
+def test_compiled_decode_layer_matches_the_eager_one(model_and_tokenizer):
+    """The CUDA default compiles the decode step's layer; the compiled cache writes and attention must be the same
+    function (checked here with the CPU compiler, float32)."""
+    model, tokenizer = model_and_tokenizer
+    batch, settings = prompts(tokenizer), SamplingSettings(max_new_tokens=12, greedy=True)
+    compiled_engine = engine_for(model, tokenizer, compile_decode=True)
+    eager_ids, eager_logps = engine_for(model, tokenizer).generate(batch, settings)
+    compiled_ids, compiled_logps = compiled_engine.generate(batch, settings)
+    assert compiled_ids == eager_ids and sum(map(len, eager_ids)) > 2 * len(batch)
+    for compiled, eager in zip(compiled_logps, eager_logps, strict=True):
+        torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), atol=1e-5, rtol=1e-5)
+    # sampling through the compiled head: the returned logprobs are those of the sampled tokens
+    sampling = SamplingSettings(12, temperature=0.8, top_k=20)
+    completions, logprobs = compiled_engine.generate(batch, sampling)
+    for prompt, completion, logps in zip(batch, completions, logprobs, strict=True):
+        expected = teacher_forced_logprobs(model, prompt, completion, sampling.temperature)
+        torch.testing.assert_close(torch.tensor(logps), expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     "settings", [SamplingSettings(16, temperature=0.8), SamplingSettings(16, top_k=20, top_p=0.9)]
 )
@@ -58,6 +77,44 @@ def test_sampled_logprobs_match_a_teacher_forced_forward(model_and_tokenizer, se
     for prompt, completion, logps in zip(batch, completions, logprobs, strict=True):
         expected = teacher_forced_logprobs(model, prompt, completion, settings.temperature)
         torch.testing.assert_close(torch.tensor(logps), expected, atol=1e-4, rtol=1e-4)
+
+
+def truncated_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """softmax(logits / T) restricted to the top-k tokens, then to the smallest head whose mass reaches top_p."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for rank, token in enumerate(order.tolist()):
+        if (top_k and rank >= top_k) or mass > top_p:
+            break
+        keep[token], mass = True, mass + probs[token].item()
+    kept = probs * keep
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 6, 1.0), (0.5, 0, 0.5)])
+def test_sampled_tokens_follow_the_tempered_truncated_distribution(model_and_tokenizer, temperature, top_k, top_p):
+    """Gumbel-max must draw from the same distribution as softmax sampling with top-k / top-p: a chi-square test
+    of 4,000 draws (the tiny model's distribution is flat, so the bound is on the statistic, at about p = 1e-4; the
+    same draws scored against temperature 1 exceed it several times over)."""
+    model, tokenizer = model_and_tokenizer
+    torch.manual_seed(0)
+    prompt = prompts(tokenizer, 1)[0]
+    draws = 4000
+    completions, _ = engine_for(model, tokenizer).generate(
+        [prompt] * draws, SamplingSettings(1, temperature=temperature, top_k=top_k, top_p=top_p)
+    )
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    expected = truncated_probs(logits, temperature, top_k, top_p)
+    counts = torch.bincount(torch.tensor([c[0] for c in completions]), minlength=expected.numel()).float()
+    assert counts[expected == 0].sum() == 0  # nothing outside the truncated set is ever drawn
+    assert (expected > 0).sum() > 2  # the distribution is not degenerate
+    support = expected > 0
+    chi_square = ((counts[support] - draws * expected[support]) ** 2 / (draws * expected[support])).sum().item()
+    degrees = support.sum().item() - 1
+    assert chi_square < degrees + 4 * (2 * degrees) ** 0.5
 
 
 def test_min_new_tokens_and_eos_handling(model_and_tokenizer):

@@ -3,18 +3,23 @@
 TRL's default `generate` path is launch-bound: hundreds of small kernels and Python work per decoded token. Here the
 weights are snapshotted once per generation batch (bf16 on CUDA, LoRA merged, q/k/v and gate/up fused), the KV cache
 is preallocated, and on CUDA one whole decode step — forward, sampling, cache and bookkeeping updates — is captured
-as a CUDA graph and replayed per token. Sampling is Gumbel-max over `logits / temperature` (the same distribution as
+as a CUDA graph and replayed per token. On CUDA the decoder layer of that step is also compiled (`torch.compile`),
+which fuses its norms, rotary embedding, cache writes, softmax and activations: a graph replays kernels without
+launch cost, but each small kernel still costs a few microseconds, and unfused they dominate the step. Sampling is Gumbel-max over `logits / temperature` (the same distribution as
 softmax sampling) with optional top-k / top-p; the logprob returned for each sampled token is
 `log_softmax(logits / temperature)`, the quantity TRL's training forward computes, so it is the old policy directly.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MIN_BATCH_BUCKET = 16
@@ -60,6 +65,7 @@ class StaticRolloutEngine:
         dtype: torch.dtype,
         cuda_graph: bool,
         bucket_rows: bool | None = None,
+        compile_decode: bool | None = None,
     ):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.config = base.config
@@ -73,7 +79,20 @@ class StaticRolloutEngine:
         self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.num_heads
         self.eps = self.config.rms_norm_eps
         self._graph_key = None
+        self._decode_layer, self._pick_function = self._layer, self._pick
+        if self._can_compile(cuda_graph if compile_decode is None else compile_decode):
+            # one compile of the layer serves every layer (same shapes); the sampling head fuses its vocabulary passes
+            self._decode_layer = torch.compile(self._layer, fullgraph=True)
+            self._pick_function = torch.compile(self._pick, fullgraph=True)
         self.sync_weights(model)
+
+    def _can_compile(self, wanted: bool) -> bool:
+        from torch.utils._triton import has_triton
+
+        if wanted and self.cuda_graph and not has_triton():
+            logger.warning("Triton is not installed: the rollout engine decodes with unfused kernels.")
+            return False
+        return wanted
 
     # ------------------------------------------------------------------------------------------------ weights
 
@@ -153,30 +172,35 @@ class StaticRolloutEngine:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _forward(self, ids, positions, slots, key_mask, caches):
+    def _forward(self, ids, positions, slots, key_mask, caches, layer_function=None):
         """Hidden state of the last position after writing k/v of `ids` (B, T) into cache slots `slots` (T,)."""
-        batch, steps = ids.shape
         x = F.embedding(ids, self.embed)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (B, 1, T, D)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer_function = layer_function or self._layer
         for layer, (k_cache, v_cache) in zip(self.layers, caches, strict=True):
-            h = self._rms_norm(x, layer["input_norm"])
-            qkv = F.linear(h, layer["qkv_weight"], layer["qkv_bias"])
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(batch, steps, self.num_heads, self.head_dim)
-            k = k.view(batch, steps, self.num_kv_heads, self.head_dim)
-            if "q_norm" in layer:
-                q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
-            q = self._rotate(q.transpose(1, 2), cos, sin)
-            k = self._rotate(k.transpose(1, 2), cos, sin)
-            v = v.view(batch, steps, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            k_cache.index_copy_(2, slots, k)
-            v_cache.index_copy_(2, slots, v)
-            attention = self._attend(q, k_cache, v_cache, key_mask)
-            x = x + F.linear(attention.transpose(1, 2).reshape(batch, steps, q_size), layer["o_weight"])
-            gate, up = F.linear(self._rms_norm(x, layer["post_norm"]), layer["gate_up_weight"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down_weight"])
+            x = layer_function(x, cos, sin, slots, key_mask, k_cache, v_cache, layer)
         return self._rms_norm(x[:, -1], self.final_norm)
+
+    def _layer(self, x, cos, sin, slots, key_mask, k_cache, v_cache, layer: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One decoder layer on (B, T, hidden), writing its k/v into the cache at `slots`."""
+        batch, steps, _ = x.shape
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h = self._rms_norm(x, layer["input_norm"])
+        qkv = F.linear(h, layer["qkv_weight"], layer["qkv_bias"])
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(batch, steps, self.num_heads, self.head_dim)
+        k = k.view(batch, steps, self.num_kv_heads, self.head_dim)
+        if "q_norm" in layer:
+            q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
+        q = self._rotate(q.transpose(1, 2), cos, sin)
+        k = self._rotate(k.transpose(1, 2), cos, sin)
+        v = v.view(batch, steps, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k_cache.index_copy_(2, slots, k)
+        v_cache.index_copy_(2, slots, v)
+        attention = self._attend(q, k_cache, v_cache, key_mask)
+        x = x + F.linear(attention.transpose(1, 2).reshape(batch, steps, q_size), layer["o_weight"])
+        gate, up = F.linear(self._rms_norm(x, layer["post_norm"]), layer["gate_up_weight"]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer["down_weight"])
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Grouped-query attention without repeating the cache: the query heads sharing a k/v head are batched
@@ -191,11 +215,18 @@ class StaticRolloutEngine:
 
     def _sample(self, hidden: torch.Tensor, settings: SamplingSettings, step: torch.Tensor):
         """Next token and its logprob under `logits / temperature` (EOS suppressed before `min_new_tokens`)."""
+        noise = None
+        if not settings.greedy:  # drawn eagerly: the graph replays advance the generator's offset, as eager ops do
+            noise = torch.rand(hidden.size(0), self.lm_head.size(0), device=hidden.device)
+        return self._pick_function(hidden, noise, settings, step)
+
+    def _pick(self, hidden, noise: torch.Tensor | None, settings: SamplingSettings, step: torch.Tensor):
+        """Gumbel-max over the (truncated) tempered logits with uniform `noise`; argmax when greedy."""
         logits = F.linear(hidden, self.lm_head).float()
         if settings.min_new_tokens:
             blocked = (step < settings.min_new_tokens).float() * -1e9
             logits[:, self.eos] += blocked
-        if settings.greedy:
+        if noise is None:
             token = logits.argmax(dim=-1)
             return token, torch.log_softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1)
         logits = logits / settings.temperature
@@ -203,8 +234,7 @@ class StaticRolloutEngine:
         candidates = logits
         if settings.top_k or settings.top_p < 1.0:
             candidates = self._truncate(logits, settings)
-        noise = -torch.log(-torch.log(torch.rand_like(candidates).clamp_(1e-10, 1.0)))
-        token = (candidates + noise).argmax(dim=-1)
+        token = (candidates - torch.log(-torch.log(noise.clamp(1e-10, 1.0)))).argmax(dim=-1)
         return token, logprobs.gather(1, token[:, None]).squeeze(1)
 
     @staticmethod
@@ -249,7 +279,12 @@ class StaticRolloutEngine:
         """One token for every row; every tensor it touches is a static buffer, so it can be graph-captured."""
         self.valid.index_fill_(1, self.slot, True)
         hidden = self._forward(
-            self.tokens.unsqueeze(1), self.positions.unsqueeze(1), self.slot, self.valid[:, None, None, :], self.caches
+            self.tokens.unsqueeze(1),
+            self.positions.unsqueeze(1),
+            self.slot,
+            self.valid[:, None, None, :],
+            self.caches,
+            self._decode_layer,
         )
         self._record(hidden, settings)
 
@@ -340,6 +375,8 @@ class StaticRolloutEngine:
                 break
             decode()
         completions, logprobs = self._collect(batch)
+        # the same logprobs as a (rows, max_new_tokens) device tensor, for callers that want no Python lists
+        self.last_logprobs = self.out_logps[:requested].clone()
         return completions[:requested], logprobs[:requested]
 
     def _collect(self, batch: int) -> tuple[list[list[int]], list[list[float]]]:

@@ -49,24 +49,26 @@ def dapo_policy_loss(
         )
     loss = (per_token_loss * mask).sum() / num_tokens
 
-    with torch.no_grad():
+    with torch.no_grad():  # masked sums, not boolean indexing: no host synchronisation inside the loss
         active = mask.bool()
-        count = active.sum().clamp(min=1)
+        num_active = active.sum()
+        count = num_active.clamp(min=1)
 
-        def active_mean(flags: torch.Tensor) -> torch.Tensor:
-            return (flags.expand_as(active) & active).sum() / count
+        def active_mean(values: torch.Tensor) -> torch.Tensor:
+            return (values.expand_as(active) * active).sum() / count
 
         low = active_mean(negative & (ratio < 1 - epsilon_low))
         high = active_mean((advantages > 0) & (ratio > 1 + epsilon_high))
         dual = active_mean(negative & (ratio > clip_ratio_c)) if clip_ratio_c is not None else low.new_zeros(())
-        active_ratios = ratio[active]
+        ratio_mean = active_mean(ratio)
+        ratio_std = active_mean((ratio - ratio_mean) ** 2).sqrt()
         stats = {
             "clip_ratio/low_mean": low,
             "clip_ratio/high_mean": high,
             "clip_ratio/region_mean": low + high,
             "clip_ratio/dual_mean": dual,
-            "ratio_mean": active_ratios.mean() if active_ratios.numel() else low.new_ones(()),
-            "ratio_std": active_ratios.std(correction=0) if active_ratios.numel() else low.new_zeros(()),
-            "num_active_tokens": active.sum().to(low.dtype),
+            "ratio_mean": torch.where(num_active > 0, ratio_mean, 1.0),
+            "ratio_std": ratio_std,
+            "num_active_tokens": num_active.to(low.dtype),
         }
     return loss, stats

@@ -19,6 +19,7 @@ import os
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from accelerate.utils import gather_object
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
@@ -83,6 +84,7 @@ class DAPOTrainer(GRPOTrainer):
         self.prompt_stream = self._make_prompt_stream(args)
         self.rollout_engine = select_rollout_engine(self)
         self._engine_weights_step: int | None = None
+        self._engine_logprobs: torch.Tensor | None = None
         self._last_rewards_per_func: torch.Tensor | None = None
 
     def _make_prompt_stream(self, args: DAPOConfig) -> PromptStream | None:
@@ -119,7 +121,10 @@ class DAPOTrainer(GRPOTrainer):
         if self._engine_weights_step != self.state.global_step:  # weights change once per optimizer step at most
             self.rollout_engine.sync_weights(self.accelerator.unwrap_model(self.model))
             self._engine_weights_step = self.state.global_step
-        return self.rollout_engine.generate(prompt_ids, sampling_settings(self.args))
+        completions, _ = self.rollout_engine.generate(prompt_ids, sampling_settings(self.args))
+        # The logprobs stay on the device for `_rollout_logprobs`: as Python lists TRL would rebuild them row by row.
+        self._engine_logprobs = self.rollout_engine.last_logprobs
+        return completions, None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -204,6 +209,11 @@ class DAPOTrainer(GRPOTrainer):
         From the generation engine when it returns them (vLLM, the static engine); otherwise one no-grad forward
         pass now, before any optimizer step changes the weights.
         """
+        if self._engine_logprobs is not None:
+            logprobs, self._engine_logprobs = self._engine_logprobs, None
+            width = output["completion_ids"].size(1)
+            logprobs = F.pad(logprobs[:, :width], (0, max(0, width - logprobs.size(1))))
+            return logprobs * output["completion_mask"]
         if "sampling_per_token_logps" in output:
             return output["sampling_per_token_logps"]
         if "old_per_token_logps" in output:  # TRL already ran that forward pass (steps misaligned with generation)
@@ -307,22 +317,26 @@ class DAPOTrainer(GRPOTrainer):
         return loss
 
     def _log_loss_stats(self, mode, stats, mask, per_token_logps, old_per_token_logps, entropies) -> None:
-        """Token-weighted means over all ranks (a rank's mean weighs by its token count)."""
+        """Token-weighted means over all ranks (a rank's mean weighs by its token count), and the largest
+        train/rollout logprob gap; masked sums keep it to one host synchronisation per micro-batch."""
         count = stats.pop("num_active_tokens")
-        active = mask.bool()
-        gap = (per_token_logps.detach() - old_per_token_logps).abs()[active]
+        active = mask.to(per_token_logps.dtype)
+        per_token_logps = per_token_logps.detach()
+
+        def active_mean(values: torch.Tensor) -> torch.Tensor:
+            return (values * active).sum() / count.clamp(min=1)
+
         named = {
             **stats,
-            "train_logprobs_mean": per_token_logps.detach()[active].mean() if active.any() else count * 0,
-            "entropy": entropies.detach()[active].mean() if active.any() else count * 0,
+            "train_logprobs_mean": active_mean(per_token_logps),
+            "entropy": active_mean(entropies.detach()),
         }
         weighted = torch.stack([value.float() * count for value in named.values()] + [count])
         totals = self.accelerator.reduce(weighted, reduction="sum")
-        means = (totals[:-1] / totals[-1].clamp(min=1)).tolist()  # one host synchronisation for all of them
-        for name, value in zip(named, means, strict=True):
+        gap_max = self.accelerator.reduce(((per_token_logps - old_per_token_logps).abs() * active).max(), "max")
+        values = torch.cat([totals[:-1] / totals[-1].clamp(min=1), gap_max.float().view(1)]).tolist()
+        for name, value in zip([*named, "logprob_gap_max"], values, strict=True):
             self._metrics[mode][name].append(value)
-        gap_max = gap.max() if gap.numel() else count * 0
-        self._metrics[mode]["logprob_gap_max"].append(self.accelerator.reduce(gap_max, reduction="max").item())
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
