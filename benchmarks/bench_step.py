@@ -402,6 +402,11 @@ def main() -> None:
         help="comparison: TRL vs DAPO step; variants: DAPO with gradient checkpointing / LoRA; sampling: "
         "dynamic-sampling cost and adaptive candidate sizing",
     )  # fmt: skip
+    parser.add_argument(
+        "--sampling-modes", nargs="*", default=["1.0:False", "1.0:True", "auto:True", "auto:False"],
+        help="dynamic_sampling_oversample:dynamic_sampling_keep_surplus pairs of the sampling section",
+    )  # fmt: skip
+    parser.add_argument("--sampling-fractions", nargs="*", type=float, default=[0.5, 0.8])
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
 
@@ -454,9 +459,9 @@ def main() -> None:
         results["variants"] = engine_variants(first, tokenizer, setup)
         save()
     if "sampling" in args.sections:
-        modes = [("1.0", False), ("1.0", True), ("auto", True)]
+        modes = [(mode.split(":")[0], mode.split(":")[1] == "True") for mode in args.sampling_modes]
         results["sampling"] = []
-        sampling_cost(first, tokenizer, setup, [0.5, 0.8], modes, results["sampling"], save)
+        sampling_cost(first, tokenizer, setup, args.sampling_fractions, modes, results["sampling"], save)
     print(f"wrote {output}")
 
 
