@@ -138,6 +138,20 @@ def test_buffer_state_round_trips():
     assert restored.efficiency == buffer.efficiency
 
 
+def test_running_efficiency_is_a_decayed_ratio_with_no_prior():
+    """Round 1: 1 of 4 groups qualifies; round 2: 2 of 2. Efficiency = decayed qualified / decayed generated."""
+    buffer = new_buffer()
+    assert buffer.efficiency == 1.0
+    generate, _ = scripted_rounds([([1, 2, 3, 4], [True, False, False, False]), ([5, 6], [True, True])])
+    buffer.fill(3, generate, step=0)
+    assert buffer.efficiency == pytest.approx((0.5 * 1 + 2) / (0.5 * 4 + 2))  # 0.625
+
+    first_only = new_buffer()
+    generate, _ = scripted_rounds([([1, 2, 3, 4], [True, False, False, False])])
+    first_only.fill(1, generate, step=0)
+    assert first_only.efficiency == pytest.approx(1 / 4)  # the first round sets it: no pull towards a prior of 1
+
+
 @pytest.mark.parametrize(
     ("missing", "efficiency", "oversample", "minimum", "expected"),
     [

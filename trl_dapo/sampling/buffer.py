@@ -22,7 +22,9 @@ GenerateRound = Callable[[int], tuple[RolloutBatch, torch.Tensor]]
 # Margin over the expected need when sizing rounds from the running efficiency ("auto"): overshoot is kept as
 # surplus, a second round costs a whole generation pass.
 AUTO_MARGIN = 1.25
-EFFICIENCY_SMOOTHING = 0.5
+# The running efficiency is a ratio of exponentially decayed sums (qualified / generated groups), so it has no prior
+# to forget: the first round sets it, and large rounds weigh more than small ones.
+EFFICIENCY_DECAY = 0.5
 
 
 class DynamicSamplingLimitError(RuntimeError):
@@ -95,7 +97,12 @@ class DynamicSamplingBuffer:
         self.max_surplus_age = max_surplus_age
         self.surplus: RolloutBatch | None = None
         self.surplus_birth = torch.zeros(0, dtype=torch.long)
-        self.efficiency = 1.0
+        self.qualified_weight, self.generated_weight = 0.0, 0.0
+
+    @property
+    def efficiency(self) -> float:
+        """Running share of generated groups that qualified (1.0 before any round)."""
+        return self.qualified_weight / self.generated_weight if self.generated_weight else 1.0
 
     @property
     def num_surplus_groups(self) -> int:
@@ -141,8 +148,8 @@ class DynamicSamplingBuffer:
             stats.filtered_all_correct += outcomes["all_correct"]
             stats.filtered_all_wrong += outcomes["all_wrong"]
             stats.solved_prompts += solve_rate(metric.cpu(), self.num_generations) * groups
-            round_efficiency = outcomes["qualified"] / max(groups, 1)
-            self.efficiency = EFFICIENCY_SMOOTHING * self.efficiency + (1 - EFFICIENCY_SMOOTHING) * round_efficiency
+            self.qualified_weight = EFFICIENCY_DECAY * self.qualified_weight + outcomes["qualified"]
+            self.generated_weight = EFFICIENCY_DECAY * self.generated_weight + groups
             if keep.numel():
                 parts.append(self._select_groups(candidates, keep))
                 births.append(torch.full((keep.numel(),), step, dtype=torch.long))
@@ -178,13 +185,15 @@ class DynamicSamplingBuffer:
         return {
             "surplus": self.surplus,
             "surplus_birth": self.surplus_birth,
-            "efficiency": self.efficiency,
+            "qualified_weight": self.qualified_weight,
+            "generated_weight": self.generated_weight,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.surplus = state["surplus"]
         self.surplus_birth = state["surplus_birth"]
-        self.efficiency = state["efficiency"]
+        self.qualified_weight = state["qualified_weight"]
+        self.generated_weight = state["generated_weight"]
 
 
 __all__ = ["DynamicSamplingBuffer", "DynamicSamplingLimitError", "SamplingStats", "plan_round_groups"]
