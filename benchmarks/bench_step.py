@@ -247,7 +247,7 @@ def sampling_cost(config_path, tokenizer, setup, fractions, oversample_modes, ro
                 values = [m[name] for m in rows if name in m]
                 return sum(values) / len(values) if values else float("nan")
 
-            qualified = mean("dapo/qualified_groups")
+            trained = setup["rows_per_step"] // setup["generations"]  # qualified groups each step trains on
             rows.append(
                 {
                     "uninformative": fraction,
@@ -257,7 +257,8 @@ def sampling_cost(config_path, tokenizer, setup, fractions, oversample_modes, ro
                     "generated_groups_per_step": mean("dapo/generated_groups"),
                     "sampling_efficiency": mean("dapo/sampling_efficiency"),
                     "step_s": result["step_s"],
-                    "time_per_qualified_group_s": result["step_s"] / qualified if qualified else float("nan"),
+                    "qualified_groups_per_step": mean("dapo/qualified_groups"),
+                    "time_per_trained_group_s": result["step_s"] / trained,
                 }
             )
             save()
@@ -366,14 +367,14 @@ def table(results: dict) -> str:
     if results.get("sampling"):
         lines += [
             "",
-            "| uninformative | oversample | surplus | rounds/step | groups/step | efficiency | step s | s/qualified group |",
+            "| uninformative | oversample | surplus | rounds/step | groups/step | efficiency | step s | s/trained group |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in results["sampling"]:
             lines.append(
                 f"| {r['uninformative']:.0%} | {r['oversample']} | {r['keep_surplus']} | {r['rounds_per_step']:.2f} | "
                 f"{r['generated_groups_per_step']:.1f} | {r['sampling_efficiency']:.2f} | {r['step_s']:.3f} | "
-                f"{r['time_per_qualified_group_s']:.3f} |"
+                f"{r['time_per_trained_group_s']:.3f} |"
             )
     for name, r in results.get("variants", {}).items():
         lines.append(
