@@ -1,6 +1,8 @@
 """The static-cache rollout engine on the CPU: greedy tokens equal `generate`'s, sampled logprobs equal a
 teacher-forced forward pass, LoRA is merged, and a DAPOTrainer trains with it."""
 
+import shutil
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -46,6 +48,9 @@ def test_greedy_tokens_equal_generate(model_and_tokenizer):
         assert completion == reference[: len(completion)] and len(completion) == len(reference)
 
 
+@pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("clang++")), reason="the CPU compiler needs a C++ compiler"
+)
 def test_compiled_decode_layer_matches_the_eager_one(model_and_tokenizer):
     """The CUDA default compiles the decode step's layer; the compiled cache writes and attention must be the same
     function (checked here with the CPU compiler, float32)."""
