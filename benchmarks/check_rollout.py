@@ -46,7 +46,7 @@ def logprob_gaps(model, engine, prompts, settings: SamplingSettings, device: str
         ids = torch.tensor([prompt + completion], device=device)
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
         reference = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion, device=device)[:, None])[:, 0]
-        gaps.append((torch.tensor(logps, device=device) - reference).abs())
+        gaps.append((logps[: len(completion)] - reference).abs())
     return torch.cat(gaps)
 
 

@@ -30,6 +30,13 @@ def engine_for(model, tokenizer, **options):
     )  # fmt: skip
 
 
+def trimmed(logprobs: torch.Tensor, completions: list[list[int]]) -> list[torch.Tensor]:
+    """The engine's (rows, max_new_tokens) logprobs cut to each completion's length; the rest must be zero."""
+    for row, completion in zip(logprobs, completions, strict=True):
+        assert (row[len(completion) :] == 0).all()
+    return [row[: len(completion)] for row, completion in zip(logprobs, completions, strict=True)]
+
+
 def teacher_forced_logprobs(model, prompt, completion, temperature=1.0):
     ids = torch.tensor([prompt + completion])
     logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
@@ -60,14 +67,13 @@ def test_compiled_decode_layer_matches_the_eager_one(model_and_tokenizer):
     eager_ids, eager_logps = engine_for(model, tokenizer).generate(batch, settings)
     compiled_ids, compiled_logps = compiled_engine.generate(batch, settings)
     assert compiled_ids == eager_ids and sum(map(len, eager_ids)) > 2 * len(batch)
-    for compiled, eager in zip(compiled_logps, eager_logps, strict=True):
-        torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled_logps, eager_logps, atol=1e-5, rtol=1e-5)
     # sampling through the compiled head: the returned logprobs are those of the sampled tokens
     sampling = SamplingSettings(12, temperature=0.8, top_k=20)
     completions, logprobs = compiled_engine.generate(batch, sampling)
-    for prompt, completion, logps in zip(batch, completions, logprobs, strict=True):
+    for prompt, completion, logps in zip(batch, completions, trimmed(logprobs, completions), strict=True):
         expected = teacher_forced_logprobs(model, prompt, completion, sampling.temperature)
-        torch.testing.assert_close(torch.tensor(logps), expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logps, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -79,9 +85,9 @@ def test_sampled_logprobs_match_a_teacher_forced_forward(model_and_tokenizer, se
     batch = prompts(tokenizer)
     completions, logprobs = engine_for(model, tokenizer).generate(batch, settings)
     assert any(len(c) > 3 for c in completions)
-    for prompt, completion, logps in zip(batch, completions, logprobs, strict=True):
+    for prompt, completion, logps in zip(batch, completions, trimmed(logprobs, completions), strict=True):
         expected = teacher_forced_logprobs(model, prompt, completion, settings.temperature)
-        torch.testing.assert_close(torch.tensor(logps), expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logps, expected, atol=1e-4, rtol=1e-4)
 
 
 def truncated_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -129,7 +135,7 @@ def test_min_new_tokens_and_eos_handling(model_and_tokenizer):
     )
     assert all(len(c) == 10 for c in completions)
     assert all(tokenizer.eos_token_id not in c for c in completions)
-    assert all(len(c) == len(lp) for c, lp in zip(completions, logprobs, strict=True))
+    assert logprobs.shape == (len(completions), 10) and (logprobs < 0).all()
 
 
 def test_lora_adapters_are_merged_into_the_snapshot(model_and_tokenizer, tiny_model):
@@ -141,9 +147,9 @@ def test_lora_adapters_are_merged_into_the_snapshot(model_and_tokenizer, tiny_mo
     peft_model.eval()
     batch = prompts(tokenizer, 3)
     completions, logprobs = engine_for(peft_model, tokenizer).generate(batch, SamplingSettings(8))
-    for prompt, completion, logps in zip(batch, completions, logprobs, strict=True):
+    for prompt, completion, logps in zip(batch, completions, trimmed(logprobs, completions), strict=True):
         expected = teacher_forced_logprobs(peft_model, prompt, completion)
-        torch.testing.assert_close(torch.tensor(logps), expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logps, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_trainer_uses_engine_logprobs_as_the_old_policy(tiny_model, tmp_path):
@@ -184,10 +190,8 @@ def test_weight_sync_reaches_the_next_generation(model_and_tokenizer, tiny_model
     assert all(engine.weights[name] is tensor for name, tensor in snapshot.items())  # same tensors, new values
     batch = prompts(tokenizer, 2)
     completions, logprobs = engine.generate(batch, SamplingSettings(6))
-    for prompt, completion, logps in zip(batch, completions, logprobs, strict=True):
-        torch.testing.assert_close(
-            torch.tensor(logps), teacher_forced_logprobs(model, prompt, completion), atol=1e-4, rtol=1e-4
-        )
+    for prompt, completion, logps in zip(batch, completions, trimmed(logprobs, completions), strict=True):
+        torch.testing.assert_close(logps, teacher_forced_logprobs(model, prompt, completion), atol=1e-4, rtol=1e-4)
 
 
 def test_row_buckets_give_the_same_completions(model_and_tokenizer):

@@ -3,11 +3,12 @@
 TRL's default `generate` path is launch-bound: hundreds of small kernels and Python work per decoded token. Here the
 weights are snapshotted once per generation batch (bf16 on CUDA, LoRA merged, q/k/v and gate/up fused), the KV cache
 is preallocated, and on CUDA one whole decode step — forward, sampling, cache and bookkeeping updates — is captured
-as a CUDA graph and replayed per token. On CUDA the decoder layer of that step is also compiled (`torch.compile`),
-which fuses its norms, rotary embedding, cache writes, softmax and activations: a graph replays kernels without
-launch cost, but each small kernel still costs a few microseconds, and unfused they dominate the step. Sampling is Gumbel-max over `logits / temperature` (the same distribution as
-softmax sampling) with optional top-k / top-p; the logprob returned for each sampled token is
-`log_softmax(logits / temperature)`, the quantity TRL's training forward computes, so it is the old policy directly.
+as a CUDA graph and replayed per token. On CUDA the decoder layer and the sampling head of that step are also
+compiled (`torch.compile`), which fuses norms, rotary embedding, cache writes, softmax and activations: a graph
+replays kernels without launch cost, but each small kernel still costs a few microseconds, and unfused they dominate
+the step. Sampling is Gumbel-max over `logits / temperature` (the same distribution as softmax sampling) with
+optional top-k / top-p; the logprob returned for each sampled token is `log_softmax(logits / temperature)`, the
+quantity TRL's training forward computes, so it is the old policy directly.
 """
 
 from __future__ import annotations
@@ -336,8 +337,9 @@ class StaticRolloutEngine:
     @torch.no_grad()
     def generate(
         self, prompt_ids: list[list[int]], settings: SamplingSettings
-    ) -> tuple[list[list[int]], list[list[float]]]:
-        """Completion ids (cut after the first EOS, which is kept) and the logprob of each sampled token."""
+    ) -> tuple[list[list[int]], torch.Tensor]:
+        """Completion ids (cut after the first EOS, which is kept) and the logprob of each sampled token, as a
+        (rows, max_new_tokens) float32 tensor on the engine's device, zero past each completion's end."""
         requested = len(prompt_ids)
         # Dynamic-sampling rounds come in many sizes: round the rows up to a power of two (filler rows repeat the
         # last prompt and are dropped) so a few captured graphs and caches serve them all.
@@ -374,18 +376,14 @@ class StaticRolloutEngine:
             if step % 32 == 0 and bool(self.finished.all()):
                 break
             decode()
-        completions, logprobs = self._collect(batch)
-        # the same logprobs as a (rows, max_new_tokens) device tensor, for callers that want no Python lists
-        self.last_logprobs = self.out_logps[:requested].clone()
-        return completions[:requested], logprobs[:requested]
+        return self._collect(requested)
 
-    def _collect(self, batch: int) -> tuple[list[list[int]], list[list[float]]]:
-        tokens, logps = self.out_tokens.cpu(), self.out_logps.cpu()
+    def _collect(self, rows: int) -> tuple[list[list[int]], torch.Tensor]:
+        tokens = self.out_tokens[:rows].cpu()
         is_eos = torch.isin(tokens, self.eos.cpu())
-        lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, tokens.size(1)).tolist()
-        steps_run = int(self.step.item())
-        lengths = [min(n, steps_run) for n in lengths]
-        return (
-            [tokens[row, : lengths[row]].tolist() for row in range(batch)],
-            [logps[row, : lengths[row]].tolist() for row in range(batch)],
-        )
+        lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, tokens.size(1))
+        lengths = lengths.clamp(max=int(self.step.item()))
+        completions = [tokens[row, :length].tolist() for row, length in enumerate(lengths.tolist())]
+        columns = torch.arange(tokens.size(1), device=self.device)
+        logprobs = self.out_logps[:rows] * (columns < lengths.to(self.device).unsqueeze(1))
+        return completions, logprobs

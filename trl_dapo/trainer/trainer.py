@@ -121,9 +121,8 @@ class DAPOTrainer(GRPOTrainer):
         if self._engine_weights_step != self.state.global_step:  # weights change once per optimizer step at most
             self.rollout_engine.sync_weights(self.accelerator.unwrap_model(self.model))
             self._engine_weights_step = self.state.global_step
-        completions, _ = self.rollout_engine.generate(prompt_ids, sampling_settings(self.args))
+        completions, self._engine_logprobs = self.rollout_engine.generate(prompt_ids, sampling_settings(self.args))
         # The logprobs stay on the device for `_rollout_logprobs`: as Python lists TRL would rebuild them row by row.
-        self._engine_logprobs = self.rollout_engine.last_logprobs
         return completions, None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -212,8 +211,7 @@ class DAPOTrainer(GRPOTrainer):
         if self._engine_logprobs is not None:
             logprobs, self._engine_logprobs = self._engine_logprobs, None
             width = output["completion_ids"].size(1)
-            logprobs = F.pad(logprobs[:, :width], (0, max(0, width - logprobs.size(1))))
-            return logprobs * output["completion_mask"]
+            return F.pad(logprobs[:, :width], (0, max(0, width - logprobs.size(1))))
         if "sampling_per_token_logps" in output:
             return output["sampling_per_token_logps"]
         if "old_per_token_logps" in output:  # TRL already ran that forward pass (steps misaligned with generation)
