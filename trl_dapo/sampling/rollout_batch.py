@@ -62,9 +62,11 @@ def select_rows(batch: RolloutBatch, rows: torch.Tensor | slice) -> RolloutBatch
 
 def trim_padding(batch: RolloutBatch) -> RolloutBatch:
     """Drop prompt columns and completion columns that are padding in every row (a re-sharded slice may have many)."""
-    prompt_used = batch["prompt_mask"].bool().any(dim=0).nonzero()
-    completion_used = batch["completion_mask"].bool().any(dim=0).nonzero()
-    first_prompt = int(prompt_used[0]) if prompt_used.numel() else batch["prompt_mask"].size(1)
+    prompt_width = batch["prompt_mask"].size(1)
+    used = torch.cat([batch["prompt_mask"].bool().any(dim=0), batch["completion_mask"].bool().any(dim=0)])
+    used = used.cpu()  # one host synchronisation for both ends
+    prompt_used, completion_used = used[:prompt_width].nonzero(), used[prompt_width:].nonzero()
+    first_prompt = int(prompt_used[0]) if prompt_used.numel() else prompt_width
     last_completion = int(completion_used[-1]) + 1 if completion_used.numel() else 1
     out = dict(batch)
     for key, (side, _) in PADDED_KEYS.items():

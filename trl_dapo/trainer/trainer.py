@@ -229,16 +229,20 @@ class DAPOTrainer(GRPOTrainer):
         return logps
 
     def _log_rollout(self, batch: RolloutBatch, rewards: torch.Tensor) -> None:
-        metrics = self._metrics["train"]
-        mask = batch["completion_mask"].bool()
-        metrics["rollout_logprobs_mean"].append(batch["old_per_token_logps"][mask].mean().item())
-        lengths = batch["completion_mask"].sum(dim=1)
+        """Rollout metrics of one candidate round, read back in one host synchronisation."""
+        mask = batch["completion_mask"]
+        lengths = mask.sum(dim=1)
         last_ids = batch["completion_ids"].gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         ends_with_eos = torch.isin(last_ids, torch.tensor(self.eos_token_ids, device=last_ids.device))
-        metrics["dapo/truncated_ratio"].append(((lengths > 0) & ~ends_with_eos).float().mean().item())
+        named = {
+            "rollout_logprobs_mean": (batch["old_per_token_logps"] * mask).sum() / lengths.sum().clamp(min=1),
+            "dapo/truncated_ratio": ((lengths > 0) & ~ends_with_eos).float().mean(),
+        }
         if OVERLONG_REWARD_NAME in self.reward_func_names:
-            column = self.reward_func_names.index(OVERLONG_REWARD_NAME)
-            metrics["dapo/overlong_penalty_mean"].append(rewards[:, column].mean().item())
+            named["dapo/overlong_penalty_mean"] = rewards[:, self.reward_func_names.index(OVERLONG_REWARD_NAME)].mean()
+        values = torch.stack([value.float().to(mask.device) for value in named.values()]).tolist()
+        for name, value in zip(named, values, strict=True):
+            self._metrics["train"][name].append(value)
 
     def _log_sampling(self, stats: SamplingStats) -> None:
         for name, value in stats.metrics().items():
