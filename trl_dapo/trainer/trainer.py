@@ -240,9 +240,12 @@ class DAPOTrainer(GRPOTrainer):
         }
         if OVERLONG_REWARD_NAME in self.reward_func_names:
             named["dapo/overlong_penalty_mean"] = rewards[:, self.reward_func_names.index(OVERLONG_REWARD_NAME)].mean()
-        values = torch.stack([value.float().to(mask.device) for value in named.values()]).tolist()
-        for name, value in zip(named, values, strict=True):
-            self._metrics["train"][name].append(value)
+        self._append_metrics("train", list(named), torch.stack([v.float().to(mask.device) for v in named.values()]))
+
+    def _append_metrics(self, mode: str, names: list[str], values: torch.Tensor) -> None:
+        """Log device scalars with one host synchronisation (each `.item()` would be one)."""
+        for name, value in zip(names, values.tolist(), strict=True):
+            self._metrics[mode][name].append(value)
 
     def _log_sampling(self, stats: SamplingStats) -> None:
         for name, value in stats.metrics().items():
@@ -336,9 +339,8 @@ class DAPOTrainer(GRPOTrainer):
         weighted = torch.stack([value.float() * count for value in named.values()] + [count])
         totals = self.accelerator.reduce(weighted, reduction="sum")
         gap_max = self.accelerator.reduce(((per_token_logps - old_per_token_logps).abs() * active).max(), "max")
-        values = torch.cat([totals[:-1] / totals[-1].clamp(min=1), gap_max.float().view(1)]).tolist()
-        for name, value in zip([*named, "logprob_gap_max"], values, strict=True):
-            self._metrics[mode][name].append(value)
+        values = torch.cat([totals[:-1] / totals[-1].clamp(min=1), gap_max.float().view(1)])
+        self._append_metrics(mode, [*named, "logprob_gap_max"], values)
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
