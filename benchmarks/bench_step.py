@@ -11,10 +11,12 @@ writes everything to `benchmarks/results/<name>.json`.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -92,6 +94,47 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self._start)
 
 
+class StepProfiler(TrainerCallback):
+    """Profile one optimizer step: the ops that take the most time and, on CUDA, how many calls made the host wait
+    for the device (each one stalls kernel launches), written to `path` as a text report."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step != self.step:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.set_sync_debug_mode("warn")
+        self._warnings = warnings.catch_warnings(record=True)
+        self._caught = self._warnings.__enter__()
+        warnings.simplefilter("always")
+        self._profile = torch.profiler.profile(activities=activities)
+        self._profile.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not hasattr(self, "_profile") or state.global_step != self.step + 1:
+            return
+        synchronize()
+        self._profile.__exit__(None, None, None)
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+        self._warnings.__exit__(None, None, None)
+        syncs = [w for w in self._caught if "synchroniz" in str(w.message)]
+        sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+        averages = self._profile.key_averages()
+        device_sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        self.path.write_text(
+            f"host synchronisations in the step: {len(syncs)}\n"
+            + "".join(f"  {count:4d}  {site}\n" for site, count in sites.most_common(30))
+            + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30)
+            + "\n" + averages.table(sort_by=device_sort, row_limit=30)
+        )  # fmt: skip
+        del self._profile
+
+
 def time_methods(trainer, sections: dict[str, list[float]]) -> None:
     """Time the trainer's own methods by wrapping them (device-synchronised): generation, the no-grad logprob pass,
     generation + scoring + bookkeeping, and whole micro-batch training steps (which contain the former)."""
@@ -121,7 +164,7 @@ def time_methods(trainer, sections: dict[str, list[float]]) -> None:
 
 
 def run_trainer(
-    kind: str, model, tokenizer, dataset, setup: dict, reward=parity_reward, peft_config=None, **extra
+    kind: str, model, tokenizer, dataset, setup: dict, reward=parity_reward, peft_config=None, profile=None, **extra
 ) -> dict:
     """Train warm-up + measured steps; return per-step medians (measured steps only) and the logged metrics."""
     steps = setup["warmup"] + setup["steps"]
@@ -152,13 +195,14 @@ def run_trainer(
         dapo = dict(dynamic_sampling=False, overlong_buffer_len=0)
         trainer_class, config = DAPOTrainer, DAPOConfig(**{**common, **dapo, **extra})
     timer = StepTimer()
+    callbacks = [timer] if profile is None else [timer, StepProfiler(setup["warmup"], profile)]
     trainer = trainer_class(
         model=model,
         reward_funcs=reward,
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[timer],
+        callbacks=callbacks,
         peft_config=peft_config,
     )
     sections: dict[str, list[float]] = {}
@@ -204,12 +248,13 @@ def run_trainer(
     return result
 
 
-def step_comparison(config_path, tokenizer, setup) -> dict:
+def step_comparison(config_path, tokenizer, setup, profile_prefix: str | None = None) -> dict:
     dataset = prompts(4 * setup["rows_per_step"])
     out = {}
     for kind in ("trl", "dapo"):
         model = random_model(config_path, setup["device"], setup["dtype"])
-        out[kind] = run_trainer(kind, model, tokenizer, dataset, setup)
+        profile = Path(f"{profile_prefix}_{kind}.txt") if profile_prefix else None
+        out[kind] = run_trainer(kind, model, tokenizer, dataset, setup, profile=profile)
         del model
     out["ratio"] = {
         key: out["dapo"][key] / out["trl"][key]
@@ -409,6 +454,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--sampling-fractions", nargs="*", type=float, default=[0.5, 0.8])
     parser.add_argument("--output", default=None)
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="comparison section: profile the first measured step of each trainer (text reports beside the JSON)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
@@ -451,7 +500,8 @@ def main() -> None:
     if "comparison" in args.sections:
         for name, config_path in configs.items():
             tokenizer = word_tokenizer(AutoConfig.from_pretrained(config_path).vocab_size)
-            results["models"][name] = step_comparison(config_path, tokenizer, setup)
+            prefix = str(output.parent / f"profile_{name}") if args.profile else None
+            results["models"][name] = step_comparison(config_path, tokenizer, setup, prefix)
             results["limits"][name] = limits(config_path, setup, results["models"][name], ceilings)
             save()
     first = next(iter(configs.values()))

@@ -14,7 +14,7 @@ def test_bench_step_tiny_writes_finite_ratios(tmp_path):
     command = [
         sys.executable, str(BENCHMARKS / "bench_step.py"), "--tiny", "--prompts", "4", "--generations", "4",
         "--new-tokens", "6", "--ga", "2", "--steps", "1", "--warmup", "1", "--output", str(output),
-        "--sampling-fractions", "0.5", "--sampling-modes", "1.0:True", "auto:False",
+        "--sampling-fractions", "0.5", "--sampling-modes", "1.0:True", "auto:False", "--profile",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -26,6 +26,8 @@ def test_bench_step_tiny_writes_finite_ratios(tmp_path):
     for kind in ("trl", "dapo"):  # the parts of the rest of the step add up to it
         run = results["models"]["tiny"][kind]
         assert math.isclose(sum(run["rest_split_s"].values()), run["train_s"], rel_tol=1e-6, abs_tol=1e-9)
+    for kind in ("trl", "dapo"):  # a profile of the first measured step of each trainer
+        assert "aten::mm" in (tmp_path / f"profile_tiny_{kind}.txt").read_text()
     assert set(results["variants"]) == {"gradient_checkpointing", "lora_r16_all_linear"}
     sampling = results["sampling"]
     assert [(r["uninformative"], r["oversample"], r["keep_surplus"]) for r in sampling] == [
