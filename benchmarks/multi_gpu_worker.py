@@ -94,6 +94,8 @@ def main() -> None:
     if trainer.accelerator.is_main_process:
         update = {name: state[name].float().cpu() - before[name] for name in before if name in state}
         torch.save(update, f"{args.output}.update.pt")
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()  # close the process group before the ranks exit
 
 
 if __name__ == "__main__":

@@ -75,6 +75,8 @@ def main(model_path: str, output: str) -> None:
         torch.save(
             {"parameters": parameters, "rows": [r for rank in gathered for r in rank], "metrics": metrics}, output
         )
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()  # a rank that exits with its process group alive can abort in gloo's threads
 
 
 if __name__ == "__main__":
