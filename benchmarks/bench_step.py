@@ -218,7 +218,9 @@ def run_trainer(
         k: sum(v[setup["warmup"] * calls_per_step[k] :]) / setup["steps"] if calls_per_step[k] else sum(v) / steps
         for k, v in sections.items()
     }
-    step = statistics.median(step_times)
+    step, mean_step = statistics.median(step_times), statistics.mean(step_times)
+    metrics = [h for h in trainer.state.log_history if "loss" in h][setup["warmup"] :]
+    gaps = [m["logprob_gap_max"] for m in metrics if "logprob_gap_max" in m]
     generated_tokens = setup["rows_per_step"] * setup["new_tokens"]
     generation, logprob_pass = per_step.get("generation", 0.0), per_step.get("logprob_pass", 0.0)
     result = {
@@ -227,16 +229,17 @@ def run_trainer(
         "generation_s": generation,
         "logprob_pass_s": logprob_pass,
         # the rest is taken from the mean step, as the sections are: per-step medians would not add up
-        "train_s": statistics.mean(step_times) - generation - logprob_pass,
+        "train_s": mean_step - generation - logprob_pass,
         # where the rest of the step goes: scoring and bookkeeping around generation, the micro-batches' forward,
         # loss and backward, and what the optimizer step, clipping and logging take outside them
         "rest_split_s": {
             "score_and_bookkeeping": per_step.get("generate_and_score", 0.0) - generation - logprob_pass,
             "forward_backward": per_step.get("training_step", 0.0) - per_step.get("generate_and_score", 0.0),
-            "optimizer_and_logging": statistics.mean(step_times) - per_step.get("training_step", 0.0),
+            "optimizer_and_logging": mean_step - per_step.get("training_step", 0.0),
         },
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-        "metrics": [h for h in trainer.state.log_history if "loss" in h][setup["warmup"] :],
+        "metrics": metrics,
+        "logprob_gap_max": max(gaps) if gaps else None,  # train vs rollout logprobs (DAPO logs it)
         "static_engine": getattr(trainer, "rollout_engine", None) is not None,
     }
     generation_time = result["generation_s"] or float("nan")
@@ -261,13 +264,12 @@ def step_comparison(config_path, tokenizer, setup, profile_prefix: str | None = 
         for key in ("step_s", "generation_s", "train_s", "generation_tokens_per_s")
         if out["trl"][key]
     }
-    gaps = [m.get("logprob_gap_max") for m in out["dapo"]["metrics"] if "logprob_gap_max" in m]
-    out["dapo_logprob_gap_max"] = max(gaps) if gaps else None
+    out["dapo_logprob_gap_max"] = out["dapo"]["logprob_gap_max"]
     return out
 
 
 def sampling_cost(config_path, tokenizer, setup, fractions, oversample_modes, rows: list[dict], save) -> None:
-    """Dynamic sampling with a chosen share of uninformative groups: rounds, efficiency, time per qualified group
+    """Dynamic sampling with a chosen share of uninformative groups: rounds, efficiency, time per trained group
     (appended to `rows`, saved after each run)."""
     dataset = prompts(64 * setup["rows_per_step"])
     for fraction in fractions:
@@ -322,12 +324,8 @@ def engine_variants(config_path, tokenizer, setup) -> dict:
     for name, (extra, peft_config) in variants.items():
         model = random_model(config_path, setup["device"], setup["dtype"])
         result = run_trainer("dapo", model, tokenizer, dataset, setup, peft_config=peft_config, **extra)
-        gaps = [m["logprob_gap_max"] for m in result["metrics"] if "logprob_gap_max" in m]
-        out[name] = {
-            key: result[key]
-            for key in ("step_s", "generation_s", "train_s", "generation_tokens_per_s", "peak_memory_gib")
-        }
-        out[name].update(static_engine=result["static_engine"], logprob_gap_max=max(gaps) if gaps else None)
+        keys = ("step_s", "generation_s", "train_s", "generation_tokens_per_s", "peak_memory_gib")
+        out[name] = {key: result[key] for key in (*keys, "static_engine", "logprob_gap_max")}
         del model
     return out
 
