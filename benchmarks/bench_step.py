@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import tempfile
 import time
@@ -95,8 +98,9 @@ class StepTimer(TrainerCallback):
 
 
 class StepProfiler(TrainerCallback):
-    """Profile one optimizer step: the ops that take the most time and, on CUDA, how many calls made the host wait
-    for the device (each one stalls kernel launches), written to `path` as a text report."""
+    """Profile one optimizer step, written to `path` as a text report: the Python functions that take the most time
+    (cumulative, host clock: where a step's extra milliseconds go), the ops that take the most time and, on CUDA, how
+    many calls made the host wait for the device (each one stalls kernel launches)."""
 
     def __init__(self, step: int, path: Path) -> None:
         self.step, self.path = step, path
@@ -113,31 +117,38 @@ class StepProfiler(TrainerCallback):
         warnings.simplefilter("always")
         self._profile = torch.profiler.profile(activities=activities)
         self._profile.__enter__()
+        self._python = cProfile.Profile()
+        self._python.enable()
 
     def on_step_end(self, args, state, control, **kwargs):
         if not hasattr(self, "_profile") or state.global_step != self.step + 1:
             return
         synchronize()
+        self._python.disable()
         self._profile.__exit__(None, None, None)
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode("default")
         self._warnings.__exit__(None, None, None)
         syncs = [w for w in self._caught if "synchroniz" in str(w.message)]
         sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+        functions = io.StringIO()
+        pstats.Stats(self._python, stream=functions).strip_dirs().sort_stats("cumulative").print_stats(80)
         averages = self._profile.key_averages()
         device_sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         self.path.write_text(
             f"host synchronisations in the step: {len(syncs)}\n"
             + "".join(f"  {count:4d}  {site}\n" for site, count in sites.most_common(30))
+            + "\n" + functions.getvalue()
             + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30)
             + "\n" + averages.table(sort_by=device_sort, row_limit=30)
         )  # fmt: skip
-        del self._profile
+        del self._profile, self._python
 
 
-def time_methods(trainer, sections: dict[str, list[float]]) -> None:
+def time_methods(trainer, sections: dict[str, list[tuple[int, float]]]) -> None:
     """Time the trainer's own methods by wrapping them (device-synchronised): generation, the no-grad logprob pass,
-    generation + scoring + bookkeeping, and whole micro-batch training steps (which contain the former)."""
+    generation + scoring + bookkeeping, and whole micro-batch training steps (which contain the former). Each call is
+    recorded with the optimizer step it ran in."""
 
     def timed(name, function):
         def wrapper(*args, **kwargs):
@@ -146,7 +157,7 @@ def time_methods(trainer, sections: dict[str, list[float]]) -> None:
             result = function(*args, **kwargs)
             synchronize()
             key = name if name != "logps" else ("train_forward" if torch.is_grad_enabled() else "logprob_pass")
-            sections.setdefault(key, []).append(time.perf_counter() - start)
+            sections.setdefault(key, []).append((trainer.state.global_step, time.perf_counter() - start))
             return result
 
         return wrapper
@@ -166,8 +177,10 @@ def time_methods(trainer, sections: dict[str, list[float]]) -> None:
 def run_trainer(
     kind: str, model, tokenizer, dataset, setup: dict, reward=parity_reward, peft_config=None, profile=None, **extra
 ) -> dict:
-    """Train warm-up + measured steps; return per-step medians (measured steps only) and the logged metrics."""
-    steps = setup["warmup"] + setup["steps"]
+    """Train warm-up + measured steps (+ one profiled step, left out of the numbers); return per-step medians and
+    means of the measured steps and their logged metrics."""
+    measured = range(setup["warmup"], setup["warmup"] + setup["steps"])
+    steps = measured.stop + (profile is not None)
     common = dict(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=setup["rows_per_step"] // setup["ga"],
@@ -195,7 +208,7 @@ def run_trainer(
         dapo = dict(dynamic_sampling=False, overlong_buffer_len=0)
         trainer_class, config = DAPOTrainer, DAPOConfig(**{**common, **dapo, **extra})
     timer = StepTimer()
-    callbacks = [timer] if profile is None else [timer, StepProfiler(setup["warmup"], profile)]
+    callbacks = [timer] if profile is None else [timer, StepProfiler(measured.stop, profile)]
     trainer = trainer_class(
         model=model,
         reward_funcs=reward,
@@ -210,19 +223,22 @@ def run_trainer(
         torch.cuda.reset_peak_memory_stats()
     time_methods(trainer, sections)
     trainer.train()
-    measured = slice(setup["warmup"], None)
-    step_times = timer.times[measured]
-    # generation/logprob calls per step: take the measured steps' share (calls are evenly spread when rounds == 1)
-    calls_per_step = {k: len(v) // steps for k, v in sections.items()}
-    per_step = {
-        k: sum(v[setup["warmup"] * calls_per_step[k] :]) / setup["steps"] if calls_per_step[k] else sum(v) / steps
-        for k, v in sections.items()
-    }
+    step_times = timer.times[measured.start : measured.stop]
+    # each section's time in each measured step (a step may call a section several times, or not at all)
+    per_step = {k: [sum(t for s, t in calls if s == step) for step in measured] for k, calls in sections.items()}
+    mean = {k: statistics.mean(v) for k, v in per_step.items()}
+    zeros = [0.0] * len(step_times)
+    rest = [
+        total - generation - logprob_pass
+        for total, generation, logprob_pass in zip(
+            step_times, per_step.get("generation", zeros), per_step.get("logprob_pass", zeros), strict=True
+        )
+    ]
     step, mean_step = statistics.median(step_times), statistics.mean(step_times)
-    metrics = [h for h in trainer.state.log_history if "loss" in h][setup["warmup"] :]
+    metrics = [h for h in trainer.state.log_history if "loss" in h][measured.start : measured.stop]
     gaps = [m["logprob_gap_max"] for m in metrics if "logprob_gap_max" in m]
     generated_tokens = setup["rows_per_step"] * setup["new_tokens"]
-    generation, logprob_pass = per_step.get("generation", 0.0), per_step.get("logprob_pass", 0.0)
+    generation, logprob_pass = mean.get("generation", 0.0), mean.get("logprob_pass", 0.0)
     result = {
         "step_s": step,
         "step_times_s": step_times,
@@ -230,12 +246,15 @@ def run_trainer(
         "logprob_pass_s": logprob_pass,
         # the rest is taken from the mean step, as the sections are: per-step medians would not add up
         "train_s": mean_step - generation - logprob_pass,
+        # the rest of each step on its own: its median is the figure least moved by one slow step
+        "train_times_s": rest,
+        "train_median_s": statistics.median(rest),
         # where the rest of the step goes: scoring and bookkeeping around generation, the micro-batches' forward,
         # loss and backward, and what the optimizer step, clipping and logging take outside them
         "rest_split_s": {
-            "score_and_bookkeeping": per_step.get("generate_and_score", 0.0) - generation - logprob_pass,
-            "forward_backward": per_step.get("training_step", 0.0) - per_step.get("generate_and_score", 0.0),
-            "optimizer_and_logging": mean_step - per_step.get("training_step", 0.0),
+            "score_and_bookkeeping": mean.get("generate_and_score", 0.0) - generation - logprob_pass,
+            "forward_backward": mean.get("training_step", 0.0) - mean.get("generate_and_score", 0.0),
+            "optimizer_and_logging": mean_step - mean.get("training_step", 0.0),
         },
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "metrics": metrics,
@@ -251,20 +270,31 @@ def run_trainer(
     return result
 
 
-def step_comparison(config_path, tokenizer, setup, profile_prefix: str | None = None) -> dict:
+# The trainers a comparison runs, with DAPOConfig overrides. On CUDA, DAPO generates with the static engine; the same
+# DAPO trainer on TRL's generation path does exactly TRL's generation work, so its rest of the step against TRL's is
+# the cost of DAPO's loss and bookkeeping alone (on CPU DAPO already takes TRL's path).
+COMPARISON_KINDS = {"trl": None, "dapo": {}, "dapo_trl_generation": {"rollout_engine": "trl"}}
+
+
+def step_comparison(config_path, tokenizer, setup, kinds: list[str], profile_prefix: str | None = None) -> dict:
+    """Run the trainers `kinds` names, in that order, on the same model, prompts and batch."""
     dataset = prompts(4 * setup["rows_per_step"])
     out = {}
-    for kind in ("trl", "dapo"):
+    for kind in kinds:
         model = random_model(config_path, setup["device"], setup["dtype"])
         profile = Path(f"{profile_prefix}_{kind}.txt") if profile_prefix else None
-        out[kind] = run_trainer(kind, model, tokenizer, dataset, setup, profile=profile)
+        extra = COMPARISON_KINDS[kind] or {}
+        out[kind] = run_trainer(
+            "trl" if kind == "trl" else "dapo", model, tokenizer, dataset, setup, profile=profile, **extra
+        )
         del model
-    out["ratio"] = {
-        key: out["dapo"][key] / out["trl"][key]
-        for key in ("step_s", "generation_s", "train_s", "generation_tokens_per_s")
-        if out["trl"][key]
-    }
-    out["dapo_logprob_gap_max"] = out["dapo"]["logprob_gap_max"]
+    keys = ("step_s", "generation_s", "train_s", "train_median_s", "generation_tokens_per_s")
+    if {"trl", "dapo"} <= set(out):
+        out["ratio"] = {key: out["dapo"][key] / out["trl"][key] for key in keys if out["trl"][key]}
+        out["dapo_logprob_gap_max"] = out["dapo"]["logprob_gap_max"]
+    if {"trl", "dapo_trl_generation"} <= set(out):  # DAPO's loss and bookkeeping against TRL's, same generation
+        same = out["dapo_trl_generation"]
+        out["ratio_same_generation"] = {key: same[key] / out["trl"][key] for key in ("train_s", "train_median_s")}
     return out
 
 
@@ -359,7 +389,7 @@ def hardware_ceilings(device: str) -> dict:
 
 def limits(config_path, setup, comparison, ceilings) -> dict:
     """Training MFU and decode bandwidth use of the DAPO step, against the measured ceilings."""
-    if not ceilings:
+    if not ceilings or "dapo" not in comparison:
         return {}
     config = AutoConfig.from_pretrained(config_path)
     model = random_model(config_path, "meta", torch.bfloat16)
@@ -391,22 +421,34 @@ def table(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, comparison in results["models"].items():
-        for kind in ("trl", "dapo"):
+        for kind in [kind for kind in COMPARISON_KINDS if kind in comparison]:
             r = comparison[kind]
             memory = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
             lines.append(
                 f"| {name} | {kind} | {r['step_s']:.3f} | {r['generation_s']:.3f} | {r['logprob_pass_s']:.3f} | "
                 f"{r['train_s']:.3f} | {r['generation_tokens_per_s']:.0f} | {memory} |"
             )
-        ratio = comparison["ratio"]
-        lines.append(
-            f"| {name} | DAPO/TRL | {ratio.get('step_s', float('nan')):.3f} | {ratio.get('generation_s', float('nan')):.3f} "
-            f"| | {ratio.get('train_s', float('nan')):.3f} | {ratio.get('generation_tokens_per_s', float('nan')):.1f}x | |"
-        )
+        ratio = comparison.get("ratio")
+        if ratio:
+            lines.append(
+                f"| {name} | DAPO/TRL | {ratio.get('step_s', float('nan')):.3f} | {ratio.get('generation_s', float('nan')):.3f} "
+                f"| | {ratio.get('train_s', float('nan')):.3f} | {ratio.get('generation_tokens_per_s', float('nan')):.1f}x | |"
+            )
     for name, comparison in results["models"].items():
-        for kind in ("trl", "dapo"):
+        for kind in [kind for kind in COMPARISON_KINDS if kind in comparison]:
             split = comparison[kind]["rest_split_s"]
-            lines.append(f"- {name} {kind} rest of step (s): " + ", ".join(f"{k} {v:.4f}" for k, v in split.items()))
+            lines.append(
+                f"- {name} {kind} rest of step (s): median {comparison[kind]['train_median_s']:.4f}; mean split "
+                + ", ".join(f"{k} {v:.4f}" for k, v in split.items())
+            )
+        for label, ratio in (
+            ("DAPO/TRL", comparison.get("ratio")),
+            ("same generation", comparison.get("ratio_same_generation")),
+        ):
+            if ratio:
+                lines.append(
+                    f"- {name} rest of step {label}: mean {ratio['train_s']:.3f}, median {ratio['train_median_s']:.3f}"
+                )
     if results.get("sampling"):
         lines += [
             "",
@@ -426,7 +468,8 @@ def table(results: dict) -> str:
             f"logprob gap max {r['logprob_gap_max']}"
         )
     for name, value in results.get("limits", {}).items():
-        lines.append(f"- {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in value.items()))
+        if value:
+            lines.append(f"- {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in value.items()))
     return "\n".join(lines)
 
 
@@ -451,6 +494,10 @@ def main() -> None:
         help="dynamic_sampling_oversample:dynamic_sampling_keep_surplus pairs of the sampling section",
     )  # fmt: skip
     parser.add_argument("--sampling-fractions", nargs="*", type=float, default=[0.5, 0.8])
+    parser.add_argument(
+        "--kinds", nargs="*", choices=list(COMPARISON_KINDS), default=None,
+        help="comparison: the trainers to run, in this order (default: all; on CPU, DAPO already uses TRL's path)",
+    )  # fmt: skip
     parser.add_argument("--output", default=None)
     parser.add_argument(
         "--profile", action="store_true",
@@ -499,7 +546,8 @@ def main() -> None:
         for name, config_path in configs.items():
             tokenizer = word_tokenizer(AutoConfig.from_pretrained(config_path).vocab_size)
             prefix = str(output.parent / f"profile_{name}") if args.profile else None
-            results["models"][name] = step_comparison(config_path, tokenizer, setup, prefix)
+            kinds = args.kinds or [k for k in COMPARISON_KINDS if device == "cuda" or k != "dapo_trl_generation"]
+            results["models"][name] = step_comparison(config_path, tokenizer, setup, kinds, prefix)
             results["limits"][name] = limits(config_path, setup, results["models"][name], ceilings)
             save()
     first = next(iter(configs.values()))

@@ -15,7 +15,7 @@ from trl_dapo.sampling import (
     plan_round_groups,
     solve_rate,
 )
-from trl_dapo.sampling.rollout_batch import concat_rollouts, shard_rows, trim_padding
+from trl_dapo.sampling.rollout_batch import concat_rollouts, select_rows, shard_rows, trim_padding
 
 G = 2
 
@@ -191,7 +191,10 @@ def test_concat_repads_and_shard_trims():
     assert both["prompt_mask"][:2].tolist() == [[0, 0, 1]] * 2  # left padding grows on the left
     first = shard_rows(both, rank=0, world_size=2)
     assert first["completion_ids"].shape == (2, 2) and first["prompt_ids"].shape == (2, 1)
-    assert trim_padding(both)["completion_ids"].shape == (4, 4)
+    whole, head = trim_padding([both, select_rows(both, slice(0, 2))])  # each trimmed to its own used columns
+    assert whole["completion_ids"].shape == (4, 4) and whole["prompt_ids"].shape == (4, 3)
+    assert head["completion_ids"].tolist() == short["completion_ids"].tolist()
+    assert head["prompt_ids"].tolist() == [[11]] * G
 
 
 @pytest.mark.parametrize(

@@ -60,18 +60,25 @@ def select_rows(batch: RolloutBatch, rows: torch.Tensor | slice) -> RolloutBatch
     return {key: value[rows] for key, value in batch.items()}
 
 
-def trim_padding(batch: RolloutBatch) -> RolloutBatch:
-    """Drop prompt columns and completion columns that are padding in every row (a re-sharded slice may have many)."""
-    prompt_width = batch["prompt_mask"].size(1)
-    used = torch.cat([batch["prompt_mask"].bool().any(dim=0), batch["completion_mask"].bool().any(dim=0)])
-    used = used.cpu()  # one host synchronisation for both ends
-    prompt_used, completion_used = used[:prompt_width].nonzero(), used[prompt_width:].nonzero()
-    first_prompt = int(prompt_used[0]) if prompt_used.numel() else prompt_width
-    last_completion = int(completion_used[-1]) + 1 if completion_used.numel() else 1
-    out = dict(batch)
-    for key, (side, _) in PADDED_KEYS.items():
-        if key in out:
-            out[key] = out[key][:, first_prompt:] if side == "left" else out[key][:, :last_completion]
+def trim_padding(batches: list[RolloutBatch]) -> list[RolloutBatch]:
+    """Drop, in each batch, prompt columns and completion columns that are padding in every row (a re-sharded slice
+    may have many). The used columns of all batches come back to the host in one synchronisation."""
+    used = torch.cat(
+        [torch.cat([b["prompt_mask"].bool().any(dim=0), b["completion_mask"].bool().any(dim=0)]) for b in batches]
+    ).cpu()
+    out = []
+    for batch, batch_used in zip(
+        batches, used.split([b["prompt_mask"].size(1) + b["completion_mask"].size(1) for b in batches]), strict=True
+    ):
+        prompt_width = batch["prompt_mask"].size(1)
+        prompt_used, completion_used = batch_used[:prompt_width].nonzero(), batch_used[prompt_width:].nonzero()
+        first_prompt = int(prompt_used[0]) if prompt_used.numel() else prompt_width
+        last_completion = int(completion_used[-1]) + 1 if completion_used.numel() else 1
+        trimmed = dict(batch)
+        for key, (side, _) in PADDED_KEYS.items():
+            if key in trimmed:
+                trimmed[key] = trimmed[key][:, first_prompt:] if side == "left" else trimmed[key][:, :last_completion]
+        out.append(trimmed)
     return out
 
 
@@ -96,7 +103,7 @@ def shard_rows(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
     if rows % world_size != 0:
         raise ValueError(f"{rows} rows cannot be shared equally by {world_size} ranks.")
     share = rows // world_size
-    return trim_padding(select_rows(batch, slice(rank * share, (rank + 1) * share)))
+    return trim_padding([select_rows(batch, slice(rank * share, (rank + 1) * share))])[0]
 
 
 def count_loss_tokens(batch: RolloutBatch) -> torch.Tensor:

@@ -274,7 +274,9 @@ class DAPOTrainer(GRPOTrainer):
                 "dynamic_sampling_on_limit='train_on_partial' too few informative groups were found. Raise "
                 "max_num_gen_batches or lower steps_per_generation."
             )
-        micro_batches = [trim_padding(select_rows(batch, idx)) for idx in torch.arange(rows).tensor_split(steps)]
+        # slices, not index tensors: indexing device tensors with a host index tensor copies it over and waits
+        bounds = [(int(idx[0]), int(idx[-1]) + 1) for idx in torch.arange(rows).tensor_split(steps)]
+        micro_batches = trim_padding([select_rows(batch, slice(start, stop)) for start, stop in bounds])
         local_counts = torch.stack([count_loss_tokens(mb) for mb in micro_batches]).float()
         global_counts = self.accelerator.reduce(local_counts, reduction="sum")
         accumulation = self.args.gradient_accumulation_steps
