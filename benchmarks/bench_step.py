@@ -270,10 +270,10 @@ def run_trainer(
     return result
 
 
-# The trainers a comparison runs, with DAPOConfig overrides. On CUDA, DAPO generates with the static engine; the same
+# The trainers a comparison runs, with their DAPOConfig overrides. On CUDA, DAPO generates with the static engine; the same
 # DAPO trainer on TRL's generation path does exactly TRL's generation work, so its rest of the step against TRL's is
 # the cost of DAPO's loss and bookkeeping alone (on CPU DAPO already takes TRL's path).
-COMPARISON_KINDS = {"trl": None, "dapo": {}, "dapo_trl_generation": {"rollout_engine": "trl"}}
+COMPARISON_KINDS = {"trl": {}, "dapo": {}, "dapo_trl_generation": {"rollout_engine": "trl"}}
 
 
 def step_comparison(config_path, tokenizer, setup, kinds: list[str], profile_prefix: str | None = None) -> dict:
@@ -283,10 +283,8 @@ def step_comparison(config_path, tokenizer, setup, kinds: list[str], profile_pre
     for kind in kinds:
         model = random_model(config_path, setup["device"], setup["dtype"])
         profile = Path(f"{profile_prefix}_{kind}.txt") if profile_prefix else None
-        extra = COMPARISON_KINDS[kind] or {}
-        out[kind] = run_trainer(
-            "trl" if kind == "trl" else "dapo", model, tokenizer, dataset, setup, profile=profile, **extra
-        )
+        trainer = "trl" if kind == "trl" else "dapo"
+        out[kind] = run_trainer(trainer, model, tokenizer, dataset, setup, profile=profile, **COMPARISON_KINDS[kind])
         del model
     keys = ("step_s", "generation_s", "train_s", "train_median_s", "generation_tokens_per_s")
     if {"trl", "dapo"} <= set(out):
