@@ -94,8 +94,12 @@ def main() -> None:
     if trainer.accelerator.is_main_process:
         update = {name: state[name].float().cpu() - before[name] for name in before if name in state}
         torch.save(update, f"{args.output}.update.pt")
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()  # close the process group before the ranks exit
+    accelerator = trainer.accelerator
+    accelerator.wait_for_everyone()
+    # The DDP reducer holds the process group: destroying the group first left gloo joining stuck threads at exit.
+    del trainer
+    accelerator.free_memory()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

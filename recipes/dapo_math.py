@@ -130,8 +130,12 @@ def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: Mo
         plot_training(trainer.state.log_history, output / "training_curves.png")
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
         print(format_summary(summary, script_args.summary_window))
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()  # close the process group before the ranks exit
+    accelerator = trainer.accelerator
+    accelerator.wait_for_everyone()
+    # The DDP reducer holds the process group: destroying the group first left gloo joining stuck threads at exit.
+    del trainer
+    accelerator.free_memory()
+    accelerator.end_training()
     return summary
 
 

@@ -75,8 +75,12 @@ def main(model_path: str, output: str) -> None:
         torch.save(
             {"parameters": parameters, "rows": [r for rank in gathered for r in rank], "metrics": metrics}, output
         )
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()  # a rank that exits with its process group alive can abort in gloo's threads
+    accelerator = trainer.accelerator
+    accelerator.wait_for_everyone()
+    # The DDP reducer holds the process group: destroying the group first left gloo joining stuck threads at exit.
+    del trainer
+    accelerator.free_memory()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
