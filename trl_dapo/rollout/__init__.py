@@ -6,7 +6,9 @@ import logging
 
 import torch
 
-from .static_engine import SUPPORTED_MODEL_TYPES, SamplingSettings, StaticRolloutEngine
+from .sampling import SamplingSettings
+from .static_engine import StaticRolloutEngine
+from .weights import SUPPORTED_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 

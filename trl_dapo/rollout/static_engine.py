@@ -15,43 +15,16 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .sampling import SamplingSettings, pick_tokens, sampling_noise
+from .weights import WeightSnapshot
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MIN_BATCH_BUCKET = 16
-
-
-@dataclass
-class SamplingSettings:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_new_tokens: int = 0
-    greedy: bool = False
-
-
-def _linear_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weight and bias of a linear layer, with active LoRA adapters merged in (PEFT wraps it as `base_layer`)."""
-    base = getattr(module, "base_layer", module)
-    weight = base.weight.detach()
-    for adapter in getattr(module, "active_adapters", []) or []:
-        if adapter in getattr(module, "lora_A", {}) and not getattr(module, "merged", False):
-            weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
-    bias = base.bias.detach() if getattr(base, "bias", None) is not None else None
-    return weight, bias
-
-
-def _cat_linear(modules: list[torch.nn.Module], dtype: torch.dtype):
-    weights, biases = zip(*(_linear_weight(m) for m in modules), strict=True)
-    weight = torch.cat(weights).to(dtype)
-    bias = None if all(b is None for b in biases) else torch.cat([b for b in biases if b is not None]).to(dtype)
-    return weight, bias
 
 
 class StaticRolloutEngine:
@@ -68,10 +41,8 @@ class StaticRolloutEngine:
         bucket_rows: bool | None = None,
         compile_decode: bool | None = None,
     ):
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.config = base.config
-        if self.config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"static rollout supports {SUPPORTED_MODEL_TYPES}, not {self.config.model_type!r}.")
+        self.snapshot = WeightSnapshot(model, dtype)
+        self.config = self.snapshot.config
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
         self.dtype, self.cuda_graph = dtype, cuda_graph
         self.bucket_rows = cuda_graph if bucket_rows is None else bucket_rows
@@ -80,12 +51,15 @@ class StaticRolloutEngine:
         self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.num_heads
         self.eps = self.config.rms_norm_eps
         self._graph_key = None
-        self._decode_layer, self._pick_function = self._layer, self._pick
+        self._decode_layer, self._pick_function = self._layer, pick_tokens
         if self._can_compile(cuda_graph if compile_decode is None else compile_decode):
             # one compile of the layer serves every layer (same shapes); the sampling head fuses its vocabulary passes
             self._decode_layer = torch.compile(self._layer, fullgraph=True)
-            self._pick_function = torch.compile(self._pick, fullgraph=True)
-        self.sync_weights(model)
+            self._pick_function = torch.compile(pick_tokens, fullgraph=True)
+        self.device, self._rotary = self.snapshot.device, self.snapshot.rotary
+        self.embed, self.final_norm = self.snapshot.embed, self.snapshot.final_norm
+        self.lm_head, self.layers = self.snapshot.lm_head, self.snapshot.layers
+        self.weights = self.snapshot.tensors
 
     def _can_compile(self, wanted: bool) -> bool:
         from torch.utils._triton import has_triton
@@ -95,63 +69,9 @@ class StaticRolloutEngine:
             return False
         return wanted
 
-    # ------------------------------------------------------------------------------------------------ weights
-
-    @torch.no_grad()
     def sync_weights(self, model) -> None:
-        """Copy the training weights into the snapshot (called once per generation batch).
-
-        The first call allocates the snapshot; later calls copy into the same tensors, which the captured CUDA graph
-        reads, so the graph stays valid across weight updates.
-        """
-        fresh = self._snapshot(model)
-        if not hasattr(self, "weights"):
-            self.weights = fresh
-            self._bind_layers()
-            return
-        for name, tensor in fresh.items():
-            if self.weights[name].data_ptr() != tensor.data_ptr():
-                self.weights[name].copy_(tensor)
-
-    def _snapshot(self, model) -> dict[str, torch.Tensor]:
-        """Generation-dtype weights by name: LoRA merged, q/k/v and gate/up concatenated."""
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        decoder, dtype = base.model, self.dtype
-        self.device = decoder.embed_tokens.weight.device
-        self._rotary = decoder.rotary_emb
-        weights = {
-            "embed": decoder.embed_tokens.weight.detach().to(dtype),
-            "final_norm": decoder.norm.weight.detach().to(dtype),
-        }
-        lm_head = base.get_output_embeddings()
-        if lm_head.weight is not decoder.embed_tokens.weight:
-            weights["lm_head"] = _linear_weight(lm_head)[0].to(dtype)
-        for index, layer in enumerate(decoder.layers):
-            attention, mlp = layer.self_attn, layer.mlp
-            qkv_weight, qkv_bias = _cat_linear([attention.q_proj, attention.k_proj, attention.v_proj], dtype)
-            prefix = f"layers.{index}."
-            weights[prefix + "input_norm"] = layer.input_layernorm.weight.detach().to(dtype)
-            weights[prefix + "post_norm"] = layer.post_attention_layernorm.weight.detach().to(dtype)
-            weights[prefix + "qkv_weight"] = qkv_weight
-            if qkv_bias is not None:
-                weights[prefix + "qkv_bias"] = qkv_bias
-            weights[prefix + "o_weight"] = _linear_weight(attention.o_proj)[0].to(dtype)
-            weights[prefix + "gate_up_weight"] = _cat_linear([mlp.gate_proj, mlp.up_proj], dtype)[0]
-            weights[prefix + "down_weight"] = _linear_weight(mlp.down_proj)[0].to(dtype)
-            if hasattr(attention, "q_norm"):  # Qwen3
-                weights[prefix + "q_norm"] = attention.q_norm.weight.detach().to(dtype)
-                weights[prefix + "k_norm"] = attention.k_norm.weight.detach().to(dtype)
-        return weights
-
-    def _bind_layers(self) -> None:
-        self.embed, self.final_norm = self.weights["embed"], self.weights["final_norm"]
-        self.lm_head = self.weights.get("lm_head", self.embed)
-        self.layers = []
-        for index in range(self.config.num_hidden_layers):
-            prefix = f"layers.{index}."
-            layer = {k[len(prefix) :]: v for k, v in self.weights.items() if k.startswith(prefix)}
-            layer.setdefault("qkv_bias", None)
-            self.layers.append(layer)
+        """Copy the training weights into the snapshot the captured graph reads (once per generation batch)."""
+        self.snapshot.sync(model)
 
     def _rope_tables(self, length: int) -> None:
         if getattr(self, "_rope_length", 0) >= length:
@@ -216,39 +136,8 @@ class StaticRolloutEngine:
 
     def _sample(self, hidden: torch.Tensor, settings: SamplingSettings, step: torch.Tensor):
         """Next token and its logprob under `logits / temperature` (EOS suppressed before `min_new_tokens`)."""
-        noise = None
-        if not settings.greedy:  # drawn eagerly: the graph replays advance the generator's offset, as eager ops do
-            noise = torch.rand(hidden.size(0), self.lm_head.size(0), device=hidden.device)
-        return self._pick_function(hidden, noise, settings, step)
-
-    def _pick(self, hidden, noise: torch.Tensor | None, settings: SamplingSettings, step: torch.Tensor):
-        """Gumbel-max over the (truncated) tempered logits with uniform `noise`; argmax when greedy."""
-        logits = F.linear(hidden, self.lm_head).float()
-        if settings.min_new_tokens:
-            blocked = (step < settings.min_new_tokens).float() * -1e9
-            logits[:, self.eos] += blocked
-        if noise is None:
-            token = logits.argmax(dim=-1)
-            return token, torch.log_softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1)
-        logits = logits / settings.temperature
-        logprobs = torch.log_softmax(logits, dim=-1)
-        candidates = logits
-        if settings.top_k or settings.top_p < 1.0:
-            candidates = self._truncate(logits, settings)
-        token = (candidates - torch.log(-torch.log(noise.clamp(1e-10, 1.0)))).argmax(dim=-1)
-        return token, logprobs.gather(1, token[:, None]).squeeze(1)
-
-    @staticmethod
-    def _truncate(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
-        """Top-k then top-p filtering, without host synchronisation."""
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if settings.top_k:
-            drop[:, settings.top_k :] = True
-        if settings.top_p < 1.0:
-            probs = sorted_logits.masked_fill(drop, -math.inf).softmax(dim=-1)
-            drop |= (probs.cumsum(dim=-1) - probs) > settings.top_p
-        return logits.scatter(1, order, sorted_logits.masked_fill(drop, -math.inf))
+        noise = sampling_noise(hidden.size(0), self.lm_head.size(0), settings, hidden.device)
+        return self._pick_function(hidden, self.lm_head, noise, settings, self.eos, step)
 
     # ----------------------------------------------------------------------------------------------- generate
 
