@@ -157,7 +157,7 @@ def test_trainer_uses_engine_logprobs_as_the_old_policy(tiny_model, tmp_path):
         model=tiny_model,
         reward_funcs=first_token_parity,
         args=dapo_args(
-            tmp_path, per_device_train_batch_size=8, learning_rate=1e-3, max_steps=2, rollout_engine="static"
+            tmp_path, per_device_train_batch_size=8, learning_rate=1e-3, max_steps=2, rollout_engine="paged"
         ),
         train_dataset=arithmetic_prompts(40),
     )
@@ -168,11 +168,11 @@ def test_trainer_uses_engine_logprobs_as_the_old_policy(tiny_model, tmp_path):
 
 
 def test_static_engine_refuses_what_it_cannot_serve(tiny_model, tmp_path):
-    with pytest.raises(ValueError, match="rollout_engine='static' cannot be used here: a rollout_func generates"):
+    with pytest.raises(ValueError, match="rollout_engine=.paged. cannot be used here: a rollout_func generates"):
         DAPOTrainer(
             model=tiny_model,
             reward_funcs=first_token_parity,
-            args=dapo_args(tmp_path, per_device_train_batch_size=8, rollout_engine="static"),
+            args=dapo_args(tmp_path, per_device_train_batch_size=8, rollout_engine="paged"),
             train_dataset=arithmetic_prompts(8),
             rollout_func=lambda prompts, trainer: {},
         )

@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from .paged_engine import GenerationOutput, PagedRolloutEngine, RolloutStats
 from .sampling import SamplingSettings
 from .static_engine import StaticRolloutEngine
 from .weights import SUPPORTED_MODEL_TYPES
@@ -53,8 +54,8 @@ def _zero3(trainer) -> bool:
     return plugin is not None and plugin.zero_stage == 3
 
 
-def select_rollout_engine(trainer) -> StaticRolloutEngine | None:
-    """The static engine when `rollout_engine` asks for it (or "auto" on CUDA) and the set-up allows, else None."""
+def select_rollout_engine(trainer) -> PagedRolloutEngine | StaticRolloutEngine | None:
+    """The engine `rollout_engine` asks for ("auto": the paged engine on CUDA) when the set-up allows, else None."""
     choice = trainer.args.rollout_engine
     if choice == "trl":
         return None
@@ -64,17 +65,30 @@ def select_rollout_engine(trainer) -> StaticRolloutEngine | None:
         return None
     blocker = static_engine_blocker(trainer)
     if blocker is not None:
-        if choice == "static":
-            raise ValueError(f"DAPOConfig.rollout_engine='static' cannot be used here: {blocker}.")
+        if choice != "auto":
+            raise ValueError(f"DAPOConfig.rollout_engine={choice!r} cannot be used here: {blocker}.")
         logger.warning("rollout_engine='auto' falls back to TRL's generation path: %s.", blocker)
         return None
-    return StaticRolloutEngine(
-        trainer.accelerator.unwrap_model(trainer.model),
+    common = dict(
         eos_token_ids=trainer.eos_token_ids,
         pad_token_id=trainer._tokenizer.pad_token_id,
         dtype=torch.bfloat16 if on_cuda else torch.float32,
         cuda_graph=on_cuda,
     )
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if choice == "static":
+        return StaticRolloutEngine(model, **common)
+    return PagedRolloutEngine(
+        model, show_progress=trainer.accelerator.is_main_process and not trainer.args.disable_tqdm, **common
+    )
 
 
-__all__ = ["SamplingSettings", "StaticRolloutEngine", "sampling_settings", "select_rollout_engine"]
+__all__ = [
+    "GenerationOutput",
+    "PagedRolloutEngine",
+    "RolloutStats",
+    "SamplingSettings",
+    "StaticRolloutEngine",
+    "sampling_settings",
+    "select_rollout_engine",
+]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 ON_LIMIT_CHOICES = ("raise", "train_on_partial")
+ROLLOUT_ENGINES = ("auto", "paged", "static", "trl")
 
 
 def _bad(name: str, value: object, fix: str) -> ValueError:
@@ -119,7 +120,7 @@ class DAPOConfig(GRPOConfig):
     )
     overlong_penalty_factor: float = field(default=1.0, metadata={"help": "Overlong penalty at the max length."})
     rollout_engine: str = field(
-        default="auto", metadata={"help": "'auto', 'static' or 'trl'.", "choices": ("auto", "static", "trl")}
+        default="auto", metadata={"help": "'auto', 'paged', 'static' or 'trl'.", "choices": ROLLOUT_ENGINES}
     )
 
     def __post_init__(self) -> None:
@@ -195,8 +196,8 @@ class DAPOConfig(GRPOConfig):
         self.dynamic_sampling_oversample = self._parse_oversample(self.dynamic_sampling_oversample)
         if self.dynamic_sampling_max_oversample < 1.0:
             raise _bad("dynamic_sampling_max_oversample", self.dynamic_sampling_max_oversample, "use a value >= 1.")
-        if self.rollout_engine not in ("auto", "static", "trl"):
-            raise _bad("rollout_engine", self.rollout_engine, "use 'auto', 'static' or 'trl'.")
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            raise _bad("rollout_engine", self.rollout_engine, f"use one of {ROLLOUT_ENGINES}.")
         if self.overlong_penalty_factor < 0:
             raise _bad(
                 "overlong_penalty_factor", self.overlong_penalty_factor, "use a non-negative value (DAPO: 1.0)."

@@ -121,7 +121,8 @@ class DAPOTrainer(GRPOTrainer):
         if self._engine_weights_step != self.state.global_step:  # weights change once per optimizer step at most
             self.rollout_engine.sync_weights(self.accelerator.unwrap_model(self.model))
             self._engine_weights_step = self.state.global_step
-        completions, self._engine_logprobs = self.rollout_engine.generate(prompt_ids, sampling_settings(self.args))
+        output = self.rollout_engine.generate(prompt_ids, sampling_settings(self.args))
+        completions, self._engine_logprobs = output[0], output[1]
         # The logprobs stay on the device for `_rollout_logprobs`: as Python lists TRL would rebuild them row by row.
         return completions, None
 

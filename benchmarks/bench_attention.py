@@ -1,0 +1,166 @@
+"""Paged decode attention on one GPU: trl-dapo's Triton kernel against PyTorch's FlexAttention and the reference.
+
+    python benchmarks/bench_attention.py                  # CUDA
+
+One query token per row over a paged KV cache (pages of `--page-size` tokens scattered through a pool), at the head
+layouts of Qwen2.5-0.5B (14 query / 2 KV heads, dim 64), 1.5B (12 / 2, dim 128) and 7B (28 / 4, dim 128). For each
+(rows, context length) it checks the kernel against the float32 reference and times it; FlexAttention runs with its
+decoding kernel through a block mask built from the page table (its GQA packing needs a power-of-two number of query
+heads per KV head, so the query heads are zero-padded to the next one) and is compiled once per shape. Bandwidth use
+is the KV bytes each call must read over its time, against the measured copy bandwidth. Prints a table last and
+writes `benchmarks/results/bench_attention.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from trl_dapo.rollout.paged_attention import num_splits, reference_decode_attention, triton_decode_attention
+
+HERE = Path(__file__).parent
+HEADS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128), "qwen2.5-7b": (28, 4, 128)}
+
+
+def median_ms(function, repeats: int = 20) -> float:
+    for _ in range(3):
+        function()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    source = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)
+    target = torch.empty_like(source)
+    return 2 * source.numel() * 2 / median_ms(lambda: target.copy_(source)) / 1e9  # TB/s
+
+
+def paged_problem(rows: int, context: int, heads: int, kv_heads: int, dim: int, page_size: int, seed: int = 0):
+    """Random queries and cache, each row's pages scattered through the pool; lengths spread over [context/2,
+    context] so rows end at different points."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    lengths = torch.randint(context // 2, context + 1, (rows,), device="cuda", generator=generator, dtype=torch.int32)
+    pages_per_row = math.ceil(context / page_size)
+    pool_pages = rows * pages_per_row + 1
+    order = torch.randperm(pool_pages, device="cuda", generator=generator)[: rows * pages_per_row]
+    table = order.view(rows, pages_per_row).int()
+    shape = (pool_pages * page_size, kv_heads, dim)
+    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+    q = torch.randn(rows, heads, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    return q, k, v, table, lengths
+
+
+def flex_decoder(q, k, v, table, lengths, page_size: int):
+    """FlexAttention over the same pages: full pages skip the mask, the last partial page masks its tail."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    rows, heads, dim = q.shape
+    kv_heads = k.size(1)
+    group = heads // kv_heads
+    padded = 2 ** math.ceil(math.log2(group))
+    query = torch.zeros(rows, kv_heads, padded, dim, device=q.device, dtype=q.dtype)
+    query[:, :, :group] = q.view(rows, kv_heads, group, dim)
+    query = query.view(rows, kv_heads * padded, 1, dim)
+    keys, values = k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)  # (1, KV, slots, D)
+    full = (lengths // page_size).view(rows, 1, 1)
+    partial = (lengths % page_size > 0).int().view(rows, 1, 1)
+    last_fill = (lengths % page_size).view(rows)
+    partial_index = table.gather(1, full.view(rows, 1).long()).view(rows, 1, 1, 1)
+    block_mask = BlockMask.from_kv_blocks(
+        partial.int(),
+        partial_index.int(),
+        full.int(),
+        table.view(rows, 1, 1, -1).int(),
+        BLOCK_SIZE=(16, page_size),
+        mask_mod=lambda b, h, q_index, kv_index: kv_index % page_size < last_fill[b],
+        seq_lengths=(1, keys.size(2)),
+        compute_q_blocks=False,
+    )
+    compiled = torch.compile(flex_attention, fullgraph=True)
+
+    def run():
+        out = compiled(query, keys, values, block_mask=block_mask, enable_gqa=True)
+        return out.view(rows, kv_heads, padded, dim)[:, :, :group].reshape(rows, heads, dim)
+
+    return run
+
+
+def measure(model: str, rows: int, context: int, page_size: int, bandwidth: float, flex: bool) -> dict:
+    heads, kv_heads, dim = HEADS[model]
+    q, k, v, table, lengths = paged_problem(rows, context, heads, kv_heads, dim, page_size)
+    kv_bytes = int(lengths.sum()) * kv_heads * dim * 2 * 2
+    reference = reference_decode_attention(q, k, v, table, lengths, page_size, context) if rows <= 256 else None
+    splits = num_splits(rows, kv_heads, q.device)
+    result = {"model": model, "rows": rows, "context": context, "page_size": page_size, "splits": splits}
+    candidates = {"triton": lambda: triton_decode_attention(q, k, v, table, lengths, page_size, splits)}
+    if flex:
+        try:
+            start = time.perf_counter()
+            candidates["flex"] = flex_decoder(q, k, v, table, lengths, page_size)
+            candidates["flex"]()
+            result["flex_compile_s"] = time.perf_counter() - start
+        except Exception as error:  # record why it cannot serve this shape
+            result["flex_error"] = f"{type(error).__name__}: {error}"[:300]
+            candidates.pop("flex")
+    for name, function in candidates.items():
+        out = function()
+        if reference is not None:
+            result[f"{name}_max_error"] = (out.float() - reference.float()).abs().max().item()
+        milliseconds = median_ms(function)
+        result[f"{name}_ms"] = milliseconds
+        result[f"{name}_bandwidth_use"] = kv_bytes / (milliseconds / 1e3) / (bandwidth * 1e12)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="*", default=list(HEADS))
+    parser.add_argument("--shapes", nargs="*", default=["16x8192", "128x512", "128x2048", "1024x2048", "256x8192"])
+    parser.add_argument("--page-size", type=int, nargs="*", default=[16])
+    parser.add_argument("--flex", action="store_true", help="also FlexAttention (compiled once per shape)")
+    parser.add_argument("--output", default=str(HERE / "results" / "bench_attention.json"))
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tb_per_s": bandwidth}
+    results["runs"] = []
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    for model in args.models:
+        for shape in args.shapes:
+            rows, context = map(int, shape.split("x"))
+            for page_size in args.page_size:
+                run = measure(model, rows, context, page_size, bandwidth, args.flex and model == args.models[0])
+                results["runs"].append(run)
+                output.write_text(json.dumps(results, indent=2))
+                print(json.dumps(run), flush=True)
+    print(f"copy bandwidth {bandwidth:.2f} TB/s")
+    print("| model | rows x context | page | triton ms | triton BW use | flex ms | flex BW use | max error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results["runs"]:
+        flex = (
+            f"{r['flex_ms']:.3f} | {r['flex_bandwidth_use']:.0%}"
+            if "flex_ms" in r
+            else f"- | {r.get('flex_error', '-')[:40]}"
+        )
+        print(
+            f"| {r['model']} | {r['rows']}x{r['context']} | {r['page_size']} | {r['triton_ms']:.3f} | "
+            f"{r['triton_bandwidth_use']:.0%} | {flex} | {r.get('triton_max_error', float('nan')):.2e} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""The paged continuous-batching rollout engine on the CPU (eager, the same scheduler as on CUDA): greedy tokens equal
+`generate`'s, sampled logprobs equal a teacher-forced forward, sampling follows the tempered truncated distribution,
+preemption and refills change nothing, prompts are prefilled once per group, LoRA is merged, weights sync in place."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_dapo.rollout import SamplingSettings
+from trl_dapo.rollout.paged_engine import PagedRolloutEngine
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model):
+    return AutoModelForCausalLM.from_pretrained(tiny_model).eval(), AutoTokenizer.from_pretrained(tiny_model)
+
+
+def prompts(tokenizer, count=6):
+    texts = [f"What is {i} + {2 * i % 7}? Answer:" + " x" * (i % 3) for i in range(count)]  # uneven lengths
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+def engine_for(model, tokenizer, **options):
+    settings = dict(page_size=4, sync_every=5)  # small pages and syncs: rows span pages, slots refill mid-call
+    settings.update(options)
+    return PagedRolloutEngine(
+        model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, dtype=torch.float32,
+        cuda_graph=False, **settings,
+    )  # fmt: skip
+
+
+def trimmed(logprobs: torch.Tensor, completions: list[list[int]]) -> list[torch.Tensor]:
+    """The engine's (rows, max_new_tokens) logprobs cut to each completion's length; the rest must be zero."""
+    for row, completion in zip(logprobs, completions, strict=True):
+        assert (row[len(completion) :] == 0).all()
+    return [row[: len(completion)] for row, completion in zip(logprobs, completions, strict=True)]
+
+
+def teacher_forced_logprobs(model, prompt, completion, temperature=1.0):
+    ids = torch.tensor([prompt + completion])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+
+
+def greedy_reference(model, tokenizer, prompt, new_tokens):
+    return model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
+        max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )[0, len(prompt) :].tolist()  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_rows": 2}, {"max_cache_tokens": 96, "max_rows": 8}],
+    ids=["all-rows-at-once", "two-slots-refilled", "short-cache-preempts"],
+)
+def test_greedy_tokens_equal_generate(model_and_tokenizer, options):
+    model, tokenizer = model_and_tokenizer
+    batch = prompts(tokenizer) * 2
+    out = engine_for(model, tokenizer, **options).generate(batch, SamplingSettings(max_new_tokens=16, greedy=True))
+    for prompt, completion in zip(batch, out.completions, strict=True):
+        assert completion == greedy_reference(model, tokenizer, prompt, 16)
+    if "max_cache_tokens" in options:
+        assert out.stats.preemptions > 0  # 12 rows of ~30 tokens do not fit in 96 cache tokens at once
+    # every decode step of a row generated one of its tokens; the others come from a prefill: one per admission
+    admissions = len(batch) + out.stats.preemptions
+    assert out.stats.busy_slot_steps == sum(map(len, out.completions)) - admissions
+
+
+@pytest.mark.parametrize(
+    ("settings", "options"),
+    [
+        (SamplingSettings(16, temperature=0.8), {}),
+        (SamplingSettings(16, top_k=20, top_p=0.9), {}),
+        (SamplingSettings(16, temperature=1.2), {"max_cache_tokens": 96, "max_rows": 8}),
+    ],
+    ids=["tempered", "top-k-top-p", "preempted"],
+)
+def test_sampled_logprobs_match_a_teacher_forced_forward(model_and_tokenizer, settings, options):
+    model, tokenizer = model_and_tokenizer
+    torch.manual_seed(0)
+    batch = prompts(tokenizer) * 2
+    out = engine_for(model, tokenizer, **options).generate(batch, settings)
+    assert any(len(c) > 3 for c in out.completions)
+    if options:
+        assert out.stats.preemptions > 0  # recomputed rows continue with the right logprobs
+    for prompt, completion, logps in zip(batch, out.completions, trimmed(out.logprobs, out.completions), strict=True):
+        expected = teacher_forced_logprobs(model, prompt, completion, settings.temperature)
+        torch.testing.assert_close(logps, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_rows_of_one_prompt_are_prefilled_once_and_sampled_independently(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    torch.manual_seed(0)
+    batch = [prompt for prompt in prompts(tokenizer, 3) for _ in range(8)]  # groups of 8 samples, as DAPO does
+    out = engine_for(model, tokenizer).generate(batch, SamplingSettings(8))
+    assert out.stats.prefill_tokens == sum(len(p) for p in prompts(tokenizer, 3))  # not 8 times that
+    for group in range(3):
+        samples = out.completions[8 * group : 8 * group + 8]
+        assert len({tuple(s) for s in samples}) > 1  # one prefill, distinct samples
+
+
+def truncated_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """softmax(logits / T) restricted to the top-k tokens, then to the smallest head whose mass reaches top_p."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for rank, token in enumerate(order.tolist()):
+        if (top_k and rank >= top_k) or mass > top_p:
+            break
+        keep[token], mass = True, mass + probs[token].item()
+    kept = probs * keep
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 6, 1.0), (0.5, 0, 0.5)])
+def test_sampled_tokens_follow_the_tempered_truncated_distribution(model_and_tokenizer, temperature, top_k, top_p):
+    """Gumbel-max must draw from the same distribution as softmax sampling with top-k / top-p: a chi-square test
+    of 4,000 draws (the tiny model's distribution is flat, so the bound is on the statistic, at about p = 1e-4; the
+    same draws scored against temperature 1 exceed it several times over)."""
+    model, tokenizer = model_and_tokenizer
+    torch.manual_seed(0)
+    prompt = prompts(tokenizer, 1)[0]
+    draws = 4000
+    out = engine_for(model, tokenizer).generate(
+        [prompt] * draws, SamplingSettings(1, temperature=temperature, top_k=top_k, top_p=top_p)
+    )
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    expected = truncated_probs(logits, temperature, top_k, top_p)
+    counts = torch.bincount(torch.tensor([c[0] for c in out.completions]), minlength=expected.numel()).float()
+    assert counts[expected == 0].sum() == 0  # nothing outside the truncated set is ever drawn
+    assert (expected > 0).sum() > 2  # the distribution is not degenerate
+    support = expected > 0
+    chi_square = ((counts[support] - draws * expected[support]) ** 2 / (draws * expected[support])).sum().item()
+    degrees = support.sum().item() - 1
+    assert chi_square < degrees + 4 * (2 * degrees) ** 0.5
+
+
+def test_min_new_tokens_and_eos_handling(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    out = engine_for(model, tokenizer).generate(prompts(tokenizer), SamplingSettings(10, min_new_tokens=10))
+    assert all(len(c) == 10 and tokenizer.eos_token_id not in c for c in out.completions)
+    assert out.logprobs.shape == (6, 10) and (out.logprobs < 0).all()
+    # the random model rarely ends a row: take its most frequent greedy token as the end of sequence instead, so
+    # rows end at different points; each stops right after it, keeping it, as `generate` does
+    greedy = engine_for(model, tokenizer).generate(prompts(tokenizer), SamplingSettings(12, greedy=True))
+    stop = torch.tensor([t for c in greedy.completions for t in c]).mode().values.item()
+    engine = PagedRolloutEngine(
+        model, eos_token_ids=[stop], pad_token_id=tokenizer.pad_token_id, dtype=torch.float32, cuda_graph=False,
+        page_size=4, sync_every=5,
+    )  # fmt: skip
+    out = engine.generate(prompts(tokenizer), SamplingSettings(12, greedy=True))
+    for prompt, completion in zip(prompts(tokenizer), out.completions, strict=True):
+        reference = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
+            max_new_tokens=12, pad_token_id=tokenizer.pad_token_id, eos_token_id=stop,
+        )[0, len(prompt) :].tolist()  # fmt: skip
+        reference = reference[: reference.index(stop) + 1] if stop in reference else reference
+        assert completion == reference
+    assert len({len(c) for c in out.completions}) > 1 and any(c[-1] == stop for c in out.completions)
+
+
+def test_lora_adapters_are_merged_into_the_snapshot(model_and_tokenizer, tiny_model):
+    _, tokenizer = model_and_tokenizer
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    peft_model = get_peft_model(
+        base, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    ).eval()
+    batch = prompts(tokenizer, 3)
+    out = engine_for(peft_model, tokenizer).generate(batch, SamplingSettings(8))
+    for prompt, completion, logps in zip(batch, out.completions, trimmed(out.logprobs, out.completions), strict=True):
+        torch.testing.assert_close(
+            logps, teacher_forced_logprobs(peft_model, prompt, completion), atol=1e-4, rtol=1e-4
+        )
+
+
+def test_weight_sync_reaches_the_next_generation(model_and_tokenizer, tiny_model):
+    _, tokenizer = model_and_tokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    engine = engine_for(model, tokenizer)
+    tensors = dict(engine.snapshot.tensors)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+    engine.sync_weights(model)
+    assert all(engine.snapshot.tensors[name] is tensor for name, tensor in tensors.items())  # same tensors
+    batch = prompts(tokenizer, 2)
+    out = engine.generate(batch, SamplingSettings(6))
+    for prompt, completion, logps in zip(batch, out.completions, trimmed(out.logprobs, out.completions), strict=True):
+        torch.testing.assert_close(logps, teacher_forced_logprobs(model, prompt, completion), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("clang++")), reason="the CPU compiler needs a C++ compiler"
+)
+def test_compiled_layer_and_head_match_the_eager_ones(model_and_tokenizer):
+    """The CUDA default compiles the projections and the sampling head; the compiled cache writes must be the same
+    function (checked here with the CPU compiler, float32), across batch sizes that recompile them dynamically."""
+    model, tokenizer = model_and_tokenizer
+    settings = SamplingSettings(12, greedy=True)
+    compiled, eager = engine_for(model, tokenizer, compile_decode=True), engine_for(model, tokenizer)
+    for rows in (6, 15):
+        batch = (prompts(tokenizer) * 3)[:rows]
+        expected, out = eager.generate(batch, settings), compiled.generate(batch, settings)
+        assert out.completions == expected.completions
+        torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_cache_too_small_for_one_row_is_a_clear_error(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    with pytest.raises(ValueError, match=r"cannot hold one row of up to \d+ prompt \+ 64 new tokens"):
+        engine_for(model, tokenizer, max_cache_tokens=32).generate(prompts(tokenizer), SamplingSettings(64))
+
+
+@pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode != 0,
+    reason="Triton is not installed",
+)
+def test_triton_decode_kernel_matches_the_reference_in_the_interpreter():
+    """The CUDA decode-attention kernel, run by Triton's CPU interpreter, against the float32 reference: rows of
+    different lengths (one empty), pages scattered through the pool, one to several splits per row."""
+    script = """
+import math, torch
+from trl_dapo.rollout.paged_attention import reference_decode_attention, triton_decode_attention
+torch.manual_seed(0)
+for heads, kv_heads, dim, page, lengths, splits in [(4, 2, 16, 4, [5, 0, 37], 3), (14, 2, 32, 16, [100, 33], 4)]:
+    rows, width = len(lengths), max(math.ceil(n / page) for n in lengths) + 1
+    pool = rows * width + 3
+    k, v = torch.randn(pool * page, kv_heads, dim), torch.randn(pool * page, kv_heads, dim)
+    table = torch.randperm(pool)[: rows * width].view(rows, width).int()
+    q, lens = torch.randn(rows, heads, dim), torch.tensor(lengths, dtype=torch.int32)
+    expected = reference_decode_attention(q, k, v, table, lens, page, max(lengths))
+    out = triton_decode_attention(q, k, v, table, lens, page, splits, block_n=16)
+    assert (out - expected).abs().max() < 1e-4, (out - expected).abs().max()
+    assert (out[lens == 0] == 0).all()
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]

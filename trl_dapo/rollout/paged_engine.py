@@ -1,0 +1,529 @@
+"""A continuous-batching rollout engine over a paged KV cache for Llama-family models, returning sampled logprobs.
+
+DAPO's rollouts are long and uneven (lengths geometric-like up to tens of thousands of tokens), and dynamic sampling
+multiplies them. Decoding a static batch until its longest row ends wastes most of the work on finished rows, and a
+cache preallocated at rows x maximum length runs out of memory. Here:
+
+- a fixed pool of decode slots is refilled from the waiting rows as rows finish (`scheduler.py`), so a call costs
+  its total tokens rather than rows x its longest row, and any number of rows completes;
+- the KV cache is a pool of pages sized from a memory budget; rows of one prompt share its pages, prefilled once;
+  when pages run out the latest rows are preempted and recomputed later;
+- decode attention reads only each row's filled pages (`paged_attention.py`), prefill uses PyTorch's
+  memory-efficient scaled-dot-product attention;
+- on CUDA one decode step (all layers, sampling, bookkeeping) is a CUDA graph per slot-count bucket (powers of two),
+  replayed `sync_every` times between host synchronisations; the per-layer projections, norms and activations and
+  the sampling head are compiled with `torch.compile`.
+
+The weights are a bf16 snapshot of the training model (`weights.py`, LoRA merged), refreshed in place once per
+generation batch. The logprob of each sampled token is `log_softmax(logits / temperature)` (`sampling.py`): the old
+policy of the DAPO ratio.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .paged_attention import num_splits, reference_decode_attention, triton, triton_decode_attention
+from .sampling import SamplingSettings, pick_tokens, sampling_noise
+from .scheduler import Prefix, Scheduler
+from .weights import WeightSnapshot, gather_nothing
+
+logger = logging.getLogger(__name__)
+
+MIN_SLOT_BUCKET = 8
+
+
+@dataclass
+class RolloutStats:
+    """What one `generate` call did (benchmarks and the trainer's metrics read it)."""
+
+    rows: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    slot_steps: int = 0  # sum over decode steps of the decode batch's slots
+    busy_slot_steps: int = 0  # of those, slots whose row was still generating
+    prefill_tokens: int = 0
+    preemptions: int = 0
+    synchronisations: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    cache_tokens: int = 0  # KV pool capacity
+    peak_memory_bytes: int = 0  # the device's peak allocated memory at the end of the call (since its last reset)
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+class GenerationOutput(NamedTuple):
+    completions: list[list[int]]  # each cut after its first EOS (kept)
+    logprobs: torch.Tensor  # (rows, max_new_tokens) float32 on the engine's device, zero past each completion
+    stats: RolloutStats
+
+
+def slot_bucket(rows: int, max_rows: int) -> int:
+    """Decode-batch size for `rows` live rows: the next power of two (at least MIN_SLOT_BUCKET), at most max_rows."""
+    return min(max_rows, max(MIN_SLOT_BUCKET, 2 ** math.ceil(math.log2(max(rows, 1)))))
+
+
+class PagedRolloutEngine:
+    """Generate completions and their logprobs for any number of prompts within a memory budget."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        dtype: torch.dtype,
+        cuda_graph: bool,
+        memory_fraction: float = 0.85,
+        max_rows: int = 1024,
+        max_cache_tokens: int | None = None,
+        page_size: int = 16,
+        sync_every: int = 32,
+        prefill_tokens: int = 16384,
+        compile_decode: bool | None = None,
+        show_progress: bool = False,
+        gather=gather_nothing,
+    ) -> None:
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1].")
+        if max_rows < 1 or page_size < 1 or sync_every < 1 or prefill_tokens < 1:
+            raise ValueError("max_rows, page_size, sync_every and prefill_tokens must be positive.")
+        self.snapshot = WeightSnapshot(model, dtype, gather)
+        config = self.snapshot.config
+        self.device, self.dtype, self.cuda_graph = self.snapshot.device, dtype, cuda_graph
+        self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
+        self.memory_fraction, self.max_rows, self.max_cache_tokens = memory_fraction, max_rows, max_cache_tokens
+        self.page_size, self.sync_every, self.prefill_tokens = page_size, sync_every, prefill_tokens
+        self.show_progress = show_progress
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.vocab_size = self.snapshot.lm_head.size(0)
+        self.eos = torch.tensor(self.eos_token_ids, device=self.device)
+        self._rope_length = 0
+        self._use_triton = self.device.type == "cuda" and triton is not None
+        self._attention_inputs, self._layer_output, self._pick = self._qkv, self._mlp, pick_tokens
+        wanted = cuda_graph if compile_decode is None else compile_decode
+        if wanted and self.device.type == "cuda" and triton is None:
+            logger.warning("Triton is not installed: the rollout engine decodes with unfused kernels.")
+        elif wanted:
+            # one compile serves every layer (same shapes); the sampling head fuses its vocabulary passes
+            self._attention_inputs = torch.compile(self._qkv, fullgraph=True)
+            self._layer_output = torch.compile(self._mlp, fullgraph=True)
+            self._pick = torch.compile(pick_tokens, fullgraph=True)
+
+    def sync_weights(self, model) -> None:
+        """Copy the training weights into the snapshot the engine reads (once per generation batch)."""
+        self.snapshot.sync(model)
+
+    # -------------------------------------------------------------------------------------------- model math
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def _qkv(self, x, positions, slots, k_cache, v_cache, layer: dict[str, torch.Tensor]):
+        """Rotated q, k, v of tokens x (T, hidden) at `positions`; k and v are also written to cache `slots`."""
+        tokens = x.size(0)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = F.linear(self._rms_norm(x, layer["input_norm"]), layer["qkv_weight"], layer["qkv_bias"])
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if "q_norm" in layer:  # Qwen3
+            q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
+        return q, k, v
+
+    def _mlp(self, x, attention, layer: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The rest of a decoder layer: output projection, residual, MLP block."""
+        x = x + F.linear(attention, layer["o_weight"])
+        gate, up = F.linear(self._rms_norm(x, layer["post_norm"]), layer["gate_up_weight"]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer["down_weight"])
+
+    def _rope_tables(self, length: int) -> None:
+        """cos/sin tables for positions below `length`, at least the model's own maximum (a table that grows makes
+        the compiled layer recompile)."""
+        if self._rope_length >= length:
+            return
+        length = max(length, getattr(self.snapshot.config, "max_position_embeddings", 0) or 0)
+        positions = torch.arange(length, device=self.device).unsqueeze(0)
+        probe = torch.zeros(1, device=self.device, dtype=torch.float32)
+        cos, sin = self.snapshot.rotary(probe, positions)
+        self.cos, self.sin, self._rope_length = cos[0].to(self.dtype), sin[0].to(self.dtype), length
+
+    # ---------------------------------------------------------------------------------------------- generate
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], settings: SamplingSettings) -> GenerationOutput:
+        if not prompt_ids or any(len(prompt) == 0 for prompt in prompt_ids):
+            raise ValueError("generate needs at least one prompt, and no prompt may be empty.")
+        if settings.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={settings.max_new_tokens} must be at least 1.")
+        self._rope_tables(max(map(len, prompt_ids)) + settings.max_new_tokens)
+        return _Generation(self, prompt_ids, settings).run()
+
+    def cache_bytes_per_token(self) -> int:
+        return 2 * len(self.snapshot.layers) * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def _workspace_bytes(self, slots: int) -> int:
+        """Upper estimate of what a decode step of `slots` rows and a prefill chunk allocate beyond the cache."""
+        config, element = self.snapshot.config, self.dtype.itemsize
+        sampling = slots * self.vocab_size * 4 * 8  # logits, tempered, log-softmax, noise, sort keys and indices
+        decode = slots * (6 * config.hidden_size + 3 * config.intermediate_size) * element
+        prefill = self.prefill_tokens * (
+            8 * config.hidden_size + 4 * config.intermediate_size + 6 * self.num_heads * self.head_dim
+        ) * element  # fmt: skip
+        return int(1.25 * (sampling + decode + prefill))
+
+    def cache_pages(self, prompt_ids: list[list[int]], max_new_tokens: int) -> int:
+        """KV pages for one call: what every row could hold at once, at most what the budget and
+        `max_cache_tokens` allow."""
+        unique_prompt_tokens = sum(len(prompt) for prompt in {tuple(p) for p in prompt_ids})
+        wanted = unique_prompt_tokens + len(prompt_ids) * (max_new_tokens + 2 * self.page_size)
+        if self.max_cache_tokens is not None:
+            wanted = min(wanted, self.max_cache_tokens)
+        pages = math.ceil(wanted / self.page_size)
+        if self.device.type == "cuda":
+            budget = self.memory_fraction * torch.cuda.get_device_properties(self.device).total_memory
+            rows = slot_bucket(min(len(prompt_ids), self.max_rows), self.max_rows)
+            outputs = (len(prompt_ids) + 1) * max_new_tokens * 8
+            free = budget - torch.cuda.memory_allocated(self.device) - self._workspace_bytes(rows) - outputs
+            pages = min(pages, int(free // (self.page_size * self.cache_bytes_per_token())) - 1)
+        return pages
+
+
+class _SlotState:
+    """Device state of the decode slots; the first `bucket` entries of each tensor are one decode batch."""
+
+    def __init__(self, slots: int, max_pages: int, device) -> None:
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)
+        self.generated = torch.zeros(slots, dtype=torch.long, device=device)
+        self.rows = torch.zeros(slots, dtype=torch.long, device=device)
+        self.active = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.page_table = torch.zeros(slots, max_pages, dtype=torch.int32, device=device)
+
+    def counters(self) -> list[torch.Tensor]:
+        return [self.tokens, self.positions, self.generated, self.active]
+
+
+class _Generation:
+    """One `generate` call: its KV pool, slots, graphs and outputs, and the loop that drives the scheduler."""
+
+    def __init__(self, engine: PagedRolloutEngine, prompt_ids: list[list[int]], settings: SamplingSettings) -> None:
+        self.engine, self.settings = engine, settings
+        self.rows, self.max_new = len(prompt_ids), settings.max_new_tokens
+        device, page_size = engine.device, engine.page_size
+        num_pages = engine.cache_pages(prompt_ids, self.max_new)
+        self.scheduler = Scheduler(
+            prompt_ids, self.max_new, page_size, max(num_pages, 0), engine.max_rows, engine.sync_every
+        )
+        self.stats = RolloutStats(rows=self.rows, cache_tokens=num_pages * page_size)
+        # one extra page at the end takes the writes of idle slots and padding; zeros, so that unwritten entries of a
+        # page (read and masked out by the reference attention) are finite
+        self.trash_slot = num_pages * page_size
+        shape = (num_pages * page_size + page_size, engine.num_kv_heads, engine.head_dim)
+        self.caches = [
+            (
+                torch.zeros(shape, dtype=engine.dtype, device=device),
+                torch.zeros(shape, dtype=engine.dtype, device=device),
+            )
+            for _ in engine.snapshot.layers
+        ]
+        self.slot_count = slot_bucket(min(self.rows, engine.max_rows), engine.max_rows)
+        self.slots = _SlotState(self.slot_count, self.scheduler.max_pages, device)
+        self.out_tokens = torch.zeros(self.rows + 1, self.max_new, dtype=torch.int32, device=device)
+        self.out_logprobs = torch.zeros(self.rows + 1, self.max_new, dtype=torch.float32, device=device)
+        self.dump_index = self.rows * self.max_new  # the extra row takes idle slots' outputs
+        self.hidden: dict[int, torch.Tensor] = {}  # last hidden state of each prefilled prefix still needed
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if engine.cuda_graph else None
+        self.live = 0  # slots in use (the first `live` ones)
+        self.max_length = 0  # longest context any running row can reach before the next synchronisation
+
+    # ------------------------------------------------------------------------------------------------ loop
+
+    def run(self) -> GenerationOutput:
+        engine, scheduler, stats = self.engine, self.scheduler, self.stats
+        timer = _DeviceTimer(engine.device)
+        progress = _progress(engine.show_progress, self.rows)
+        last_report = 0
+        while True:
+            with timer.section("prefill"):
+                self._admit()
+            if scheduler.done:
+                break
+            steps = min(engine.sync_every, int((self.max_new - scheduler.generated[scheduler.running]).max()))
+            bucket = slot_bucket(self.live, engine.max_rows)
+            decode = self._decoder(bucket)
+            with timer.section("decode"):
+                for _ in range(steps):
+                    decode()
+            stats.decode_steps += steps
+            stats.slot_steps += steps * bucket
+            self._synchronise()
+            if progress is not None:
+                generated = int(scheduler.generated.sum())
+                progress.update(generated - last_report)
+                progress.set_postfix(rows=f"{scheduler.finished}/{self.rows}", live=self.live, refresh=False)
+                last_report = generated
+        if progress is not None:
+            progress.close()
+        stats.prefill_s, stats.decode_s = timer.seconds("prefill"), timer.seconds("decode")
+        stats.preemptions = scheduler.preemptions
+        lengths = scheduler.generated.copy()
+        stats.generated_tokens = int(lengths.sum())
+        if engine.device.type == "cuda":
+            stats.peak_memory_bytes = torch.cuda.max_memory_allocated(engine.device)
+        return self._collect(lengths)
+
+    def _synchronise(self) -> None:
+        """Read the running rows' counts back (one host synchronisation) and retire the finished ones."""
+        slots = self.slots
+        counts = torch.stack([slots.active[: self.live].long(), slots.generated[: self.live]]).cpu().numpy()
+        self.stats.synchronisations += 1
+        before = self.scheduler.generated[self.scheduler.running].copy()
+        self.stats.busy_slot_steps += int((counts[1] - before).sum())
+        kept = self.scheduler.retire(counts[1], counts[0].astype(bool))
+        self._compact(kept)
+
+    def _compact(self, kept: list[int]) -> None:
+        """Move the state of slots `kept` (in order) to the first slots."""
+        if len(kept) == self.live and kept == list(range(self.live)):
+            return
+        index = torch.tensor(kept, dtype=torch.long, device=self.engine.device)
+        for tensor in (self.slots.tokens, self.slots.active):  # the other counters are rewritten from the host
+            tensor[: len(kept)] = tensor[index]
+        self.slots.active[len(kept) :] = False
+        self.live = len(kept)
+
+    def _admit(self) -> None:
+        """Reserve pages (preempting if short), admit waiting rows, prefill what they need, sample their next token
+        and write the slot state of every running row."""
+        engine, scheduler, device = self.engine, self.scheduler, self.engine.device
+        victims = scheduler.reserve()
+        self.live = len(scheduler.running)
+        self.slots.active[self.live :] = False
+        for row in victims:
+            scheduler.requeue(row, self.out_tokens[row, : scheduler.generated[row]].tolist())
+        admission = scheduler.admit()
+        for prefix in admission.prefill:
+            self.stats.prefill_tokens += len(prefix.tokens)
+        self.hidden.update(self._prefill(admission.prefill))
+        if admission.copies:
+            source, target = (
+                torch.tensor(pages, dtype=torch.long, device=device) for pages in zip(*admission.copies, strict=True)
+            )
+            source, target = (self._page_slots(pages) for pages in (source, target))
+            for k_cache, v_cache in self.caches:
+                k_cache[target], v_cache[target] = k_cache[source], v_cache[source]
+        if admission.rows:
+            self._start_rows(admission.rows, admission.prefixes)
+        scheduler.complete(admission)  # queued after the prefill and copies that read those pages
+        for index in admission.released_prefixes:
+            self.hidden.pop(index, None)
+        running = scheduler.running
+        live = len(running)
+        if live:
+            slots = self.slots
+            slots.rows[:live] = torch.tensor(running, dtype=torch.long).to(device)
+            slots.positions[:live] = torch.from_numpy(scheduler.positions()).to(device)
+            slots.generated[:live] = torch.from_numpy(scheduler.generated[running]).to(device)
+            table = torch.from_numpy(scheduler.slot_page_table())
+            slots.page_table[:live] = table.to(device)
+            self.max_length = int(scheduler.page_count[running].max()) * engine.page_size
+        self.live = live
+
+    def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        """Cache slots of whole pages, page after page."""
+        offsets = torch.arange(self.engine.page_size, device=pages.device)
+        return (pages.unsqueeze(1) * self.engine.page_size + offsets).flatten()
+
+    def _start_rows(self, rows: list[int], prefixes: list[int]) -> None:
+        """Sample the next token of newly admitted rows from their prefix's last hidden state; append them to the
+        slots (their slot counters are written by `_admit`)."""
+        engine, scheduler, device = self.engine, self.scheduler, self.engine.device
+        hidden = torch.stack([self.hidden[index] for index in prefixes])
+        generated = torch.from_numpy(scheduler.generated[rows]).to(device)
+        noise = sampling_noise(len(rows), engine.vocab_size, self.settings, device)
+        token, logprob = engine._pick(hidden, engine.snapshot.lm_head, noise, self.settings, engine.eos, generated)
+        row_index = torch.tensor(rows, dtype=torch.long, device=device)
+        flat = row_index * self.max_new + generated
+        self.out_tokens.view(-1).index_copy_(0, flat, token.to(torch.int32))
+        self.out_logprobs.view(-1).index_copy_(0, flat, logprob)
+        first, count = len(scheduler.running) - len(rows), len(rows)
+        slots = self.slots
+        slots.tokens[first : first + count] = token
+        slots.active[first : first + count] = ~(torch.isin(token, engine.eos) | (generated + 1 >= self.max_new))
+        scheduler.generated[rows] += 1
+
+    # ---------------------------------------------------------------------------------------------- prefill
+
+    def _prefill(self, prefixes: list[Prefix]) -> dict[int, torch.Tensor]:
+        """Write the KV of each sequence into its pages (in chunks of at most `prefill_tokens` padded tokens, longest
+        first); return each one's final-norm hidden state at its last token."""
+        engine = self.engine
+        out: dict[int, torch.Tensor] = {}
+        order = sorted(prefixes, key=lambda p: len(p.tokens), reverse=True)
+        start = 0
+        while start < len(order):
+            width = len(order[start].tokens)
+            count = max(1, min(len(order) - start, engine.prefill_tokens // width))
+            chunk = order[start : start + count]
+            out.update(zip([p.index for p in chunk], self._prefill_chunk(chunk, width), strict=True))
+            start += count
+        return out
+
+    def _prefill_chunk(self, chunk: list[Prefix], width: int) -> torch.Tensor:
+        engine, device, page_size = self.engine, self.engine.device, self.engine.page_size
+        count = len(chunk)
+        ids = np.full((count, width), engine.pad_token_id, dtype=np.int64)
+        slots = np.full((count, width), self.trash_slot, dtype=np.int64)
+        lengths = np.array([len(p.tokens) for p in chunk])
+        for row, prefix in enumerate(chunk):
+            length = len(prefix.tokens)
+            ids[row, :length] = prefix.tokens
+            pages = np.repeat(np.asarray(prefix.pages, dtype=np.int64), page_size)[:length]
+            slots[row, :length] = pages * page_size + np.arange(length) % page_size
+        ids_t = torch.from_numpy(ids).to(device).flatten()
+        slots_t = torch.from_numpy(slots).to(device).flatten()
+        positions = torch.arange(width, device=device).repeat(count)
+        group = engine.num_heads // engine.num_kv_heads
+        x = F.embedding(ids_t, engine.snapshot.embed)
+        for layer, (k_cache, v_cache) in zip(engine.snapshot.layers, self.caches, strict=True):
+            q, k, v = engine._attention_inputs(x, positions, slots_t, k_cache, v_cache, layer)
+            q = q.view(count, width, engine.num_heads, engine.head_dim).transpose(1, 2)
+            k = k.view(count, width, engine.num_kv_heads, engine.head_dim).transpose(1, 2)
+            v = v.view(count, width, engine.num_kv_heads, engine.head_dim).transpose(1, 2)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            # right padding: under the causal mask no real token sees a padded one
+            attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = engine._layer_output(x, attention.transpose(1, 2).reshape(count * width, -1), layer)
+        last = torch.from_numpy(np.arange(count) * width + lengths - 1).to(device)
+        return engine._rms_norm(x[last], engine.snapshot.final_norm)
+
+    # ----------------------------------------------------------------------------------------------- decode
+
+    def _decode_step(self, bucket: int) -> None:
+        """One token for each of the first `bucket` slots; static buffers only, so it can be graph-captured."""
+        engine, slots, page_size = self.engine, self.slots, self.engine.page_size
+        tokens, positions, generated = slots.tokens[:bucket], slots.positions[:bucket], slots.generated[:bucket]
+        active, rows, table = slots.active[:bucket], slots.rows[:bucket], slots.page_table[:bucket]
+        page_index = (positions // page_size).clamp(max=table.size(1) - 1)  # idle slots may hold any position
+        page = table.gather(1, page_index.unsqueeze(1)).squeeze(1).long()
+        write = torch.where(active, page * page_size + positions % page_size, self.trash_slot)
+        lengths = torch.where(active, positions + 1, 0).to(torch.int32)
+        x = F.embedding(tokens, engine.snapshot.embed)
+        for layer, (k_cache, v_cache) in zip(engine.snapshot.layers, self.caches, strict=True):
+            q, _, _ = engine._attention_inputs(x, positions, write, k_cache, v_cache, layer)
+            if engine._use_triton:
+                splits = num_splits(bucket, engine.num_kv_heads, engine.device)
+                attention = triton_decode_attention(q, k_cache, v_cache, table, lengths, page_size, splits)
+            else:
+                attention = reference_decode_attention(q, k_cache, v_cache, table, lengths, page_size, self.max_length)
+            x = engine._layer_output(x, attention.reshape(bucket, -1), layer)
+        hidden = engine._rms_norm(x, engine.snapshot.final_norm)
+        noise = sampling_noise(bucket, engine.vocab_size, self.settings, engine.device)
+        token, logprob = engine._pick(hidden, engine.snapshot.lm_head, noise, self.settings, engine.eos, generated)
+        flat = torch.where(active, rows * self.max_new + generated, self.dump_index)
+        self.out_tokens.view(-1).index_copy_(0, flat, token.to(torch.int32))
+        self.out_logprobs.view(-1).index_copy_(0, flat, logprob)
+        finished = torch.isin(token, engine.eos) | (generated + 1 >= self.max_new)
+        generated.add_(active.long())
+        positions.add_(active.long())
+        tokens.copy_(token)
+        active.logical_and_(~finished)
+
+    def _decoder(self, bucket: int):
+        """The decode step of a bucket as a callable: a CUDA graph replay when enabled, else the eager step."""
+        if not self.engine.cuda_graph:
+            return lambda: self._decode_step(bucket)
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            # warm-up (compilation, kernel selection) runs the real step once: put the counters back afterwards so
+            # the step replayed next is the same one (it rewrites the same cache and output entries)
+            saved = [tensor.clone() for tensor in self.slots.counters()]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._decode_step(bucket)
+            torch.cuda.current_stream().wait_stream(stream)
+            for tensor, value in zip(self.slots.counters(), saved, strict=True):
+                tensor.copy_(value)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self._decode_step(bucket)
+            self.graphs[bucket] = graph
+        return graph.replay
+
+    def _collect(self, lengths: np.ndarray) -> GenerationOutput:
+        tokens = self.out_tokens[: self.rows].cpu()
+        completions = [tokens[row, :length].tolist() for row, length in enumerate(lengths.tolist())]
+        columns = torch.arange(self.max_new, device=self.engine.device)
+        mask = columns < torch.from_numpy(lengths).to(self.engine.device).unsqueeze(1)
+        return GenerationOutput(completions, self.out_logprobs[: self.rows] * mask, self.stats)
+
+
+class _DeviceTimer:
+    """Device time of named sections from CUDA events (read once at the end, no synchronisation in between);
+    host time on the CPU."""
+
+    def __init__(self, device) -> None:
+        self.cuda = device.type == "cuda"
+        self.events: dict[str, list] = {}
+
+    def section(self, name: str):
+        timer = self
+
+        class _Section:
+            def __enter__(self):
+                self.start = torch.cuda.Event(enable_timing=True) if timer.cuda else time.perf_counter()
+                if timer.cuda:
+                    self.start.record()
+
+            def __exit__(self, *exc):
+                if timer.cuda:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    timer.events.setdefault(name, []).append((self.start, end))
+                else:
+                    timer.events.setdefault(name, []).append(time.perf_counter() - self.start)
+
+        return _Section()
+
+    def seconds(self, name: str) -> float:
+        entries = self.events.get(name, [])
+        if not self.cuda:
+            return float(sum(entries))
+        torch.cuda.synchronize()
+        return sum(start.elapsed_time(end) for start, end in entries) / 1e3
+
+
+def _progress(enabled: bool, rows: int):
+    """A progress bar of generated tokens, shown only for calls that last more than a few seconds."""
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(desc=f"rollout of {rows} rows", unit="tok", delay=3.0, dynamic_ncols=True)
