@@ -16,7 +16,8 @@ Per (model, shape, engine): useful tokens/s = sum of completion lengths / device
 generate call, after a warm-up call (engine construction, compile, capture: reported on its own); the share of
 decode work spent on finished rows; peak memory over the call; and bandwidth use = floor / measured time, the floor
 being the time to read, at the measured copy bandwidth, the weights once per decode step and each row's live KV
-cache at each of its steps. Each engine is built afresh for each shape, so no buffer of an earlier shape counts.
+cache at each of its steps. The paged engine is built once per model and serves each of its shapes, as it serves
+every round of a training run; the static engine is built afresh per shape.
 Prints a table last and writes `benchmarks/results/bench_rollout_<device>.json` after every measurement.
 """
 
@@ -30,7 +31,7 @@ import re
 import traceback
 
 import torch
-from results import ResultFile, default_output
+from result_file import ResultFile, default_output
 from timing import copy_bandwidth, timed_call
 from workload import (
     EOS_TOKEN_ID,
@@ -44,7 +45,7 @@ from workload import (
 
 from trl_dapo.rollout import SamplingSettings
 
-ENGINES = ("paged", "static", "hf")  # also the order they run in on each shape
+ENGINES = ("paged", "static", "hf")  # in the default run order (--engines)
 # HF generate is far too slow for the long shapes; the static engine runs where it fits in memory and time.
 DEFAULT_ENGINES = {
     "128x256-fixed": ENGINES,
@@ -294,7 +295,7 @@ def table(results: list[dict]) -> str:
         if "error" in r:
             lines.append(f"{head} {r['error']} | | | | | | |")
             continue
-        peak = f"{r['peak_reserved_gib']:.1f}" if "peak_reserved_gib" in r else "-"
+        peak = f"{r['peak_allocated_gib']:.1f}" if "peak_allocated_gib" in r else "-"
         peak += f" ({r['budget_gib']:.0f})" if "budget_gib" in r else ""
         lines.append(
             f"{head} {r['tokens_per_s']:,.0f} | {r['seconds']:.2f} | {r['build_s'] + r['warmup_call_s']:.1f} | "
@@ -307,7 +308,10 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on the tiny local model")
-    parser.add_argument("--models", nargs="*", default=["qwen2.5-0.5b", "qwen2.5-1.5b"])
+    parser.add_argument(
+        "--models", nargs="*", default=["qwen2.5-0.5b", "qwen2.5-1.5b"],
+        help="configs of the -fixed shapes; the other shapes run their -v2048 variants",
+    )  # fmt: skip
     parser.add_argument("--lora-model", default="qwen2.5-7b", help="the config -lora shapes run")
     parser.add_argument("--shapes", nargs="*", type=parse_shape, default=None, help="default: every named shape")
     parser.add_argument("--engines", nargs="*", choices=ENGINES, default=list(ENGINES), help="run order, and filter")

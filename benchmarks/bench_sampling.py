@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from results import ResultFile, default_output
+from result_file import ResultFile, default_output
 from trainer_run import add_batch_arguments, batch_setup, run_trainer
 from transformers import AutoConfig
 from workload import config_path, prompts, random_model, uninformative_reward, word_tokenizer

@@ -19,7 +19,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from results import ResultFile, default_output
+from result_file import ResultFile, default_output
 from timing import hardware_ceilings
 from trainer_run import add_batch_arguments, batch_setup, run_trainer
 from transformers import AutoConfig
@@ -36,8 +36,8 @@ def per_kind(values: list[str], default: int) -> dict[str, int]:
     counts = dict.fromkeys(COMPARISON_KINDS, default)
     for value in values:
         kind, _, count = value.rpartition("=")
-        if kind and kind not in COMPARISON_KINDS:
-            raise SystemExit(f"--steps/--warmup: unknown trainer {kind!r}; use one of {list(COMPARISON_KINDS)}.")
+        if (kind and kind not in COMPARISON_KINDS) or not count.isdigit():
+            raise SystemExit(f"--steps/--warmup: {value!r} is not N or KIND=N with KIND in {list(COMPARISON_KINDS)}.")
         counts.update({kind: int(count)} if kind else dict.fromkeys(COMPARISON_KINDS, int(count)))
     return counts
 
