@@ -10,7 +10,7 @@ pinned with `min_new_tokens = max_completion_length`, so both sides decode the s
 `--variable-lengths` nothing is pinned and the vocabulary has 2,048 tokens, so lengths are geometric with mean about
 2,000 up to the maximum (4,096): TRL's `generate` decodes every row until the longest ends, DAPO's engine what it
 decodes. Tokens/s is the sum of completion lengths over generation time. Prints a table last and writes everything
-to `benchmarks/results/<name>.json` after every model.
+to `benchmarks/results/<name>.json` after every trainer.
 """
 
 from __future__ import annotations

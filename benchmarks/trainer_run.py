@@ -140,6 +140,7 @@ def run_trainer(
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "metrics": metrics,
         "logprob_gap_max": max(gaps) if gaps else None,  # train vs rollout logprobs (DAPO logs it)
+        # the engine class DAPO generated with (None: TRL's generation path)
         "rollout_engine": type(trainer.rollout_engine).__name__ if getattr(trainer, "rollout_engine", None) else None,
     }
     result["generation_tokens_per_s"] = completion_tokens / (generation or float("nan"))
