@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_step import HERE, random_model, synchronize
+from timing import synchronize
+from workload import HERE, config_path, random_model
 
 from trl_dapo.rollout import SamplingSettings, StaticRolloutEngine
 
@@ -73,7 +74,7 @@ def main() -> None:
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = random_model(HERE / "configs" / f"{args.model}.json", device, torch.bfloat16 if device == "cuda" else None)
+    model = random_model(config_path(args.model), device, torch.bfloat16 if device == "cuda" else None)
     model.train()
     ids = torch.randint(3, 1000, (args.rows, args.tokens), device=device)
     prompts = [list(range(3, 43))] * args.generate_rows

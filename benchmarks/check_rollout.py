@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_step import HERE, random_model, synchronize
+from timing import synchronize
+from workload import HERE, config_path, random_model
 
 from trl_dapo.rollout import SamplingSettings, StaticRolloutEngine
 
@@ -110,7 +111,7 @@ def main() -> None:
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models:
-        model = random_model(HERE / "configs" / f"{name}.json", device, dtype).eval()
+        model = random_model(config_path(name), device, dtype).eval()
         for compile_decode in (False, True):
             variant = "graph+compiled layer" if compile_decode else "graph"
             result = measure(model, prompts, args, device, dtype, compile_decode)

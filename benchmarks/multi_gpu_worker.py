@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 import torch
-from bench_step import HERE, StepTimer, prompts, word_tokenizer
+from timing import StepTimer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from workload import config_path, prompts, word_tokenizer
 
 from trl_dapo import DAPOConfig, DAPOTrainer
 from trl_dapo.testing import ScriptedRollout, build_tiny_model
@@ -46,7 +47,7 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path)
     else:
-        config = AutoConfig.from_pretrained(HERE / "configs" / f"{args.model}.json")
+        config = AutoConfig.from_pretrained(config_path(args.model))
         tokenizer = word_tokenizer(config.vocab_size)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # fp32 master weights, bf16 autocast

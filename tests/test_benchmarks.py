@@ -1,5 +1,6 @@
-"""The step benchmark runs end to end on the CPU (a smoke run, not a timing)."""
+"""The benchmarks run end to end on the CPU (smoke runs, not timings) and count what they report correctly."""
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -7,35 +8,96 @@ import sys
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+# The tiny local model (trl_dapo.testing): vocabulary 366, hidden 64, MLP 128, 2 layers, 4 query / 2 key-value heads
+# of 16 dims, q/k/v biases, tied embeddings. Parameters: per layer q 64*64+64, k and v 64*32+32 each, o 64*64,
+# gate/up/down 3*64*128, two norms 2*64 = 37,120; 2 layers + embedding 366*64 + final norm 64 = 97,728.
+TINY_PARAMETERS = 97_728
+TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # keys and values, layers, kv heads, head dim, float32
+
+
+def run_tiny(script: str, tmp_path: Path, *arguments: str) -> tuple[str, dict]:
+    output = tmp_path / f"{script}.json"
+    command = [sys.executable, str(BENCHMARKS / f"{script}.py"), "--tiny", *arguments, "--output", str(output)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout, json.loads(output.read_text())
 
 
 def test_bench_step_tiny_writes_finite_ratios(tmp_path):
-    output = tmp_path / "bench.json"
-    command = [
-        sys.executable, str(BENCHMARKS / "bench_step.py"), "--tiny", "--prompts", "4", "--generations", "4",
-        "--new-tokens", "6", "--ga", "2", "--steps", "1", "--warmup", "1", "--output", str(output),
-        "--sampling-fractions", "0.5", "--sampling-modes", "1.0:True", "auto:False", "--profile",
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "| tiny | DAPO/TRL |" in result.stdout
-    results = json.loads(output.read_text())
-    ratios = results["models"]["tiny"]["ratio"]
+    stdout, results = run_tiny(
+        "bench_step", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",
+        "--steps", "1", "trl=2", "--warmup", "1", "--profile",
+    )  # fmt: skip
+    assert "| tiny | DAPO/TRL |" in stdout
+    comparison = results["models"]["tiny"]
+    ratios = comparison["ratio"]
     assert {"step_s", "generation_s", "train_s", "generation_tokens_per_s"} <= set(ratios)
     assert all(math.isfinite(v) and v > 0 for v in ratios.values())
-    for kind in ("trl", "dapo"):  # the parts of the rest of the step add up to it
-        run = results["models"]["tiny"][kind]
+    assert [len(comparison[kind]["step_times_s"]) for kind in ("trl", "dapo")] == [2, 1]  # steps per trainer
+    for kind in ("trl", "dapo"):
+        run = comparison[kind]
+        assert run["completion_tokens_per_step"] == 16 * 6  # 16 rows, lengths pinned to 6
+        # the parts of the rest of the step add up to it
         assert math.isclose(sum(run["rest_split_s"].values()), run["train_s"], rel_tol=1e-6, abs_tol=1e-9)
-    for kind in ("trl", "dapo"):  # a profile of the first measured step of each trainer
+        # a profile of the first measured step of each trainer
         report = (tmp_path / f"profile_tiny_{kind}.txt").read_text()
         assert "aten::mm" in report and "(_generate_and_score_completions)" in report
     assert set(results["variants"]) == {"gradient_checkpointing", "lora_r16_all_linear"}
+
+
+def test_bench_step_variable_lengths_counts_generated_tokens(tmp_path):
+    _, results = run_tiny(
+        "bench_step", tmp_path, "--variable-lengths", "--prompts", "2", "--generations", "4", "--ga", "1",
+        "--new-tokens", "200", "--warmup", "0",
+    )  # fmt: skip
+    assert results["setup"]["pin_lengths"] == "False" and results["setup"]["gradient_checkpointing"] == "True"
+    assert "variants" not in results
+    for kind in ("trl", "dapo"):
+        run = results["models"]["tiny"][kind]
+        assert len(run["step_times_s"]) == 1
+        # unpinned: over 8 rows x 200 tokens some rows end early (a random-init model over 366 tokens samples EOS
+        # with probability about 1/366 per token), and tokens/s counts what was generated
+        assert 8 < run["completion_tokens_per_step"] < 8 * 200
+        assert math.isclose(run["generation_tokens_per_s"], run["completion_tokens_per_step"] / run["generation_s"])
+
+
+def test_bench_sampling_tiny_runs_each_mode(tmp_path):
+    _, results = run_tiny(
+        "bench_sampling", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",
+        "--steps", "1", "--sampling-fractions", "0.5", "--sampling-modes", "1.0:True", "auto:False",
+    )  # fmt: skip
     sampling = results["sampling"]
     assert [(r["uninformative"], r["oversample"], r["keep_surplus"]) for r in sampling] == [
         (0.5, "1.0", True),
         (0.5, "auto", False),
     ]
     assert all(r["generated_groups_per_step"] > 0 and r["rounds_per_step"] >= 1 for r in sampling)
+
+
+def test_bench_rollout_tiny_counts_tokens_and_bandwidth_floor(tmp_path):
+    stdout, results = run_tiny("bench_rollout", tmp_path, "--shapes", "32x16p8-fixed", "16x96p8", "16x8p8-fixed-lora")
+    engines = {"hf", "static"} | ({"paged"} if importlib.util.find_spec("trl_dapo.rollout.paged_engine") else set())
+    by_shape = {}
+    for r in results["results"]:
+        assert "error" not in r, r
+        by_shape.setdefault(r["shape"], {})[r["engine"]] = r
+    assert {shape: set(runs) for shape, runs in by_shape.items()} == dict.fromkeys(by_shape, engines)
+    assert "| tiny | 32x16p8-fixed | static |" in stdout
+    weight_bytes = TINY_PARAMETERS * 4  # float32; the tied embedding read once, as the output projection
+    for shape, rows, new, prompt in (("32x16p8-fixed", 32, 16, 8), ("16x8p8-fixed-lora", 16, 8, 8)):
+        # pinned lengths: every row decodes `new` tokens, none of the decode work is on finished rows, and the floor
+        # reads the weights `new` times (LoRA merged) plus each row's prompt + t keys/values at its step t
+        floor = new * weight_bytes + rows * (new * prompt + new * (new - 1) // 2) * TINY_KV_BYTES_PER_TOKEN
+        for r in by_shape[shape].values():
+            assert r["useful_tokens"] == rows * new and r["lengths"]["min"] == new
+            if r["engine"] != "paged":  # the paged engine reports its own decode steps and slot use
+                assert r["decode_steps"] == new and r["finished_row_share"] == 0 and r["floor_bytes"] == floor
+    for r in by_shape["16x96p8"].values():  # unpinned: rows end at their first EOS, up to 96 tokens
+        assert r["lengths"]["max"] <= 96
+        if r["engine"] != "paged":  # every row decodes until the longest ends
+            assert r["decode_steps"] == r["lengths"]["max"]
+            assert 0 < r["finished_row_share"] == 1 - r["useful_tokens"] / (16 * r["decode_steps"])
+    assert all(r["bandwidth_use"] > 0 for runs in by_shape.values() for r in runs.values())
 
 
 def test_multi_gpu_bench_on_cpu_processes_matches_one_rank(tmp_path):

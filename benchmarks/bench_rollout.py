@@ -1,0 +1,367 @@
+"""The rollout engines in DAPO's real regime, side by side in one process: HF `generate` (TRL's path), the static
+engine and the paged engine.
+
+    python benchmarks/bench_rollout.py --models qwen2.5-0.5b --shapes 128x256-fixed 128x1024 1024x8192
+    python benchmarks/bench_rollout.py --tiny          # CPU smoke run on the tiny local model (fp32, eager)
+
+A shape is `ROWSxNEW[pPROMPT][-fixed][-lora][=ENGINE,...]`: ROWS rows of PROMPT-token prompts (default 256; 32 for
+fixed shapes) in groups of 16 identical prompts, as DAPO samples them, with random ids in [3, vocab), generating up
+to NEW tokens at temperature 1. `-fixed` pins every length to NEW (`min_new_tokens`) on the full-vocabulary config
+of each of `--models`; otherwise nothing is pinned and the model's 2,048-token-vocabulary variant runs, so lengths
+are geometric with mean about 2,000, capped at NEW. `-lora` runs `--lora-model` (Qwen2.5-7B layers) wrapped in a
+LoRA r=16 all-linear adapter, which the engines merge into their snapshots. `=ENGINE,...` picks the engines (hf,
+static, paged); by default a named shape runs those that finish in reasonable time and memory (`DEFAULT_ENGINES`).
+
+Per (model, shape, engine): useful tokens/s = sum of completion lengths / device-synchronised wall time of one
+generate call, after a warm-up call (engine construction, compile, capture: reported on its own); the share of
+decode work spent on finished rows; peak memory over the call; and bandwidth use = floor / measured time, the floor
+being the time to read, at the measured copy bandwidth, the weights once per decode step and each row's live KV
+cache at each of its steps. The paged engine is built once per model and serves each of its shapes, as it serves
+every round of a training run; the static engine is built afresh per shape.
+Prints a table last and writes `benchmarks/results/bench_rollout_<device>.json` after every measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib
+import re
+import traceback
+
+import torch
+from result_file import ResultFile, default_output
+from timing import copy_bandwidth, timed_call
+from workload import (
+    EOS_TOKEN_ID,
+    PAD_TOKEN_ID,
+    config_path,
+    decode_weight_bytes,
+    kv_bytes_per_token,
+    random_model,
+    token_prompts,
+)
+
+from trl_dapo.rollout import SamplingSettings
+
+ENGINES = ("paged", "static", "hf")  # in the default run order (--engines)
+# HF generate is far too slow for the long shapes; the static engine runs where it fits in memory and time.
+DEFAULT_ENGINES = {
+    "128x256-fixed": ENGINES,
+    "128x1024": ENGINES,
+    "128x4096": ("paged", "static"),
+    "128x8192": ("paged", "static"),
+    "1024x2048": ("paged", "static"),
+    "1024x8192": ("paged",),
+    "8192x8192": ("paged",),
+    "512x8192p2048": ("paged",),
+    "64x512-fixed-lora": ENGINES,
+}
+TINY_SHAPES = ["32x16p8-fixed", "16x96p8", "16x8p8-fixed-lora"]
+SHAPE = re.compile(r"(\d+)x(\d+)(?:p(\d+))?(-fixed)?(-lora)?(?:=([a-z,]+))?")
+HF_WARMUP_TOKENS = 16  # HF generate has nothing to compile or capture: a short call warms up the device
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    rows: int
+    new_tokens: int
+    prompt_tokens: int
+    fixed: bool
+    lora: bool
+    engines: tuple[str, ...]
+
+
+def parse_shape(text: str) -> Shape:
+    match = SHAPE.fullmatch(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r}: expected ROWSxNEW[pPROMPT][-fixed][-lora][=ENGINE,...], e.g. 1024x8192, 512x8192p2048 "
+            "or 64x512-fixed-lora=hf,paged"
+        )
+    rows, new_tokens, prompt_tokens, fixed, lora, engines = match.groups()
+    name = text.split("=")[0]
+    chosen = tuple(engines.split(",")) if engines else DEFAULT_ENGINES.get(name, ENGINES)
+    if set(chosen) - set(ENGINES):
+        raise argparse.ArgumentTypeError(f"shape {text!r}: engines are {', '.join(ENGINES)}")
+    prompt = int(prompt_tokens) if prompt_tokens else 32 if fixed else 256
+    return Shape(name, int(rows), int(new_tokens), prompt, bool(fixed), bool(lora), chosen)
+
+
+# --------------------------------------------------------------------------------------------------- engines
+# Each builder returns generate(prompt ids, settings) -> (completions cut after their first EOS, paged stats or None).
+
+
+def hf_generate(model, dtype, cuda: bool, args):
+    """TRL's path: `model.generate`, sampling with the model's own cache."""
+
+    def generate(prompt_ids: list[list[int]], settings: SamplingSettings):
+        ids = torch.tensor(prompt_ids, device=model.device)
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=settings.temperature,
+            top_p=1.0, top_k=0, max_new_tokens=settings.max_new_tokens, min_new_tokens=settings.min_new_tokens,
+            eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, disable_compile=True,
+        )[:, ids.size(1) :].cpu()  # fmt: skip
+        is_eos = out == EOS_TOKEN_ID
+        lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, out.size(1))
+        return [row[:length].tolist() for row, length in zip(out, lengths.tolist(), strict=True)], None
+
+    return generate
+
+
+def static_generate(model, dtype, cuda: bool, args):
+    from trl_dapo.rollout import StaticRolloutEngine
+
+    engine = StaticRolloutEngine(
+        model, eos_token_ids=[EOS_TOKEN_ID], pad_token_id=PAD_TOKEN_ID, dtype=dtype, cuda_graph=cuda
+    )
+
+    def generate(prompt_ids: list[list[int]], settings: SamplingSettings):
+        return engine.generate(prompt_ids, settings)[0], None
+
+    return generate
+
+
+def paged_generate(model, dtype, cuda: bool, args):
+    from trl_dapo.rollout.paged_engine import PagedRolloutEngine
+
+    engine = PagedRolloutEngine(
+        model, eos_token_ids=[EOS_TOKEN_ID], pad_token_id=PAD_TOKEN_ID, dtype=dtype, cuda_graph=cuda,
+        memory_fraction=args.memory_fraction, max_rows=args.max_rows,
+    )  # fmt: skip
+    engine.sync_weights(model)
+
+    def generate(prompt_ids: list[list[int]], settings: SamplingSettings):
+        out = engine.generate(prompt_ids, settings)
+        return out.completions, out.stats
+
+    return generate
+
+
+BUILDERS = {"hf": hf_generate, "static": static_generate, "paged": paged_generate}
+ENGINE_MODULES = {"static": ("trl_dapo.rollout", "StaticRolloutEngine"), "paged": ("trl_dapo.rollout.paged_engine", "PagedRolloutEngine")}  # fmt: skip
+
+
+def available(engine: str) -> bool:
+    """Whether the engine exists in this checkout (the static one goes when the paged one replaces it)."""
+    if engine not in ENGINE_MODULES:
+        return True
+    module, name = ENGINE_MODULES[engine]
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as error:
+        if error.name != module:
+            raise
+        return False
+
+
+# ----------------------------------------------------------------------------------------------- measurement
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def warmup_call(engine: str, prompt_ids, settings: SamplingSettings, warmup_rows: int):
+    """The call that compiles and captures before the measured one: the same settings on up to `warmup_rows` rows
+    (the engines capture per row-count bucket and settings); for HF a few tokens on all rows."""
+    if engine == "hf":
+        tokens = min(settings.max_new_tokens, HF_WARMUP_TOKENS)
+        return prompt_ids, dataclasses.replace(settings, max_new_tokens=tokens, min_new_tokens=min(settings.min_new_tokens, tokens))  # fmt: skip
+    return prompt_ids[:warmup_rows], settings
+
+
+def measure(engine: str, generate, prompt_ids, settings, setup: dict, args) -> dict:
+    """Warm-up, then one measured call of `generate` (`engine`'s) on `prompt_ids`."""
+    cuda = setup["device"] == "cuda"
+    _, warmup_s = timed_call(generate, *warmup_call(engine, prompt_ids, settings, args.warmup_rows))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    (completions, stats), seconds = timed_call(generate, prompt_ids, settings)
+    result = {"warmup_call_s": warmup_s, "seconds": seconds}
+    if cuda:
+        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+    useful = int(lengths.sum())
+    if stats is None:  # every row decodes until the longest ends
+        decode_steps = int(lengths.max())
+        finished_share = 1 - useful / (len(completions) * decode_steps)
+    else:
+        decode_steps = stats.decode_steps
+        finished_share = 1 - stats.busy_slot_steps / stats.slot_steps
+        result["engine_stats"] = stats.as_dict()
+        if cuda:
+            budget = args.memory_fraction * torch.cuda.get_device_properties(0).total_memory / 2**30
+            result.update(budget_gib=budget, within_budget=result["peak_reserved_gib"] <= budget)
+    prompt_lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.float64)
+    live_kv_tokens = float((lengths * prompt_lengths + lengths * (lengths - 1) / 2).sum())  # sum_r sum_{t<L_r} P_r + t
+    floor_bytes = decode_steps * setup["weight_bytes"] + live_kv_tokens * setup["kv_bytes_per_token"]
+    floor_s = floor_bytes / setup["copy_bytes_per_s"]
+    quantiles = torch.quantile(lengths, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
+    return {
+        **result,
+        "useful_tokens": useful,
+        "tokens_per_s": useful / seconds,
+        "decode_steps": decode_steps,
+        "finished_row_share": finished_share,
+        "lengths": {"mean": useful / len(completions), "min": int(lengths.min()), "max": int(lengths.max()),
+                    "p10": quantiles[0], "p50": quantiles[1], "p90": quantiles[2]},
+        "floor_bytes": floor_bytes,
+        "floor_s": floor_s,
+        "bandwidth_use": floor_s / seconds,
+    }  # fmt: skip
+
+
+def run_engine(engine: str, model, shapes: list[Shape], setup: dict, args, record: dict, save) -> int:
+    """Measure `engine` on each shape, `save` each result (`record` + the measurement); return the failures. The
+    paged engine is built once and serves every shape, as it serves every round of a training run (its KV pool is
+    sized by the budget, not by the shape); the static engine is built afresh per shape, since its buffers are sized
+    for the last shape and a reused engine would still hold them while allocating the next."""
+    cuda, failures, reusable = setup["device"] == "cuda", 0, None
+    for shape in shapes:
+        prompt_ids = token_prompts(shape.rows, shape.prompt_tokens, model.config.vocab_size)
+        sampling = SamplingSettings(
+            shape.new_tokens, temperature=1.0, min_new_tokens=shape.new_tokens if shape.fixed else 0
+        )
+        entry = {**record, "shape": shape.name, "engine": engine, "rows": shape.rows, "new_tokens": shape.new_tokens,
+                 "prompt_tokens": shape.prompt_tokens, "fixed": shape.fixed}  # fmt: skip
+        generate = None
+        try:
+            if reusable is None:
+                generate, entry["build_s"] = timed_call(BUILDERS[engine], model, setup["dtype"], cuda, args)
+            else:
+                generate, entry["build_s"] = reusable, 0.0
+            entry.update(measure(engine, generate, prompt_ids, sampling, setup, args))
+            reusable = generate if engine == "paged" else None
+        except torch.OutOfMemoryError:
+            entry["error"], reusable = "out of memory", None
+        except Exception as error:  # recorded and reported; the other measurements still run
+            traceback.print_exc()
+            entry["error"], reusable = f"{type(error).__name__}: {error}"[:300], None
+            failures += 1
+        del generate
+        release_memory()
+        save(entry)
+    del reusable
+    release_memory()
+    return failures
+
+
+def build_model(name: str, lora: bool, device: str, dtype: torch.dtype):
+    model = random_model(config_path(name), device, dtype).eval()
+    if not lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")).eval()
+
+
+def model_runs(shapes: list[Shape], args) -> dict[tuple[str, bool], list[Shape]]:
+    """The shapes each (config name, LoRA) model runs, in the order given."""
+    runs: dict[tuple[str, bool], list[Shape]] = {}
+    for model in args.models:
+        for shape in shapes:
+            name = (
+                "tiny" if args.tiny else args.lora_model if shape.lora else model if shape.fixed else f"{model}-v2048"
+            )
+            if shape not in runs.setdefault((name, shape.lora), []):
+                runs[(name, shape.lora)].append(shape)
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+
+def table(results: list[dict]) -> str:
+    """The results by model, then shape, then engine (they run engine by engine)."""
+    order = {
+        key: {value: i for i, value in enumerate(dict.fromkeys(r[key] for r in results))} for key in ("model", "shape")
+    }
+    results = sorted(
+        results, key=lambda r: (order["model"][r["model"]], order["shape"][r["shape"]], ENGINES.index(r["engine"]))
+    )
+    lines = [
+        "| model | shape | engine | useful tok/s | s | warm-up s | mean / max length | decode on finished rows | "
+        "peak GiB (budget) | bandwidth use |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        head = f"| {r['model']} | {r['shape']} | {r['engine']} |"
+        if "error" in r:
+            lines.append(f"{head} {r['error']} | | | | | | |")
+            continue
+        peak = f"{r['peak_allocated_gib']:.1f}" if "peak_allocated_gib" in r else "-"
+        peak += f" ({r['budget_gib']:.0f})" if "budget_gib" in r else ""
+        lines.append(
+            f"{head} {r['tokens_per_s']:,.0f} | {r['seconds']:.2f} | {r['build_s'] + r['warmup_call_s']:.1f} | "
+            f"{r['lengths']['mean']:.0f} / {r['lengths']['max']} | {r['finished_row_share']:.0%} | {peak} | "
+            f"{r['bandwidth_use']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run on the tiny local model")
+    parser.add_argument(
+        "--models", nargs="*", default=["qwen2.5-0.5b", "qwen2.5-1.5b"],
+        help="configs of the -fixed shapes; the other shapes run their -v2048 variants",
+    )  # fmt: skip
+    parser.add_argument("--lora-model", default="qwen2.5-7b", help="the config -lora shapes run")
+    parser.add_argument("--shapes", nargs="*", type=parse_shape, default=None, help="default: every named shape")
+    parser.add_argument("--engines", nargs="*", choices=ENGINES, default=list(ENGINES), help="run order, and filter")
+    parser.add_argument("--memory-fraction", type=float, default=0.9, help="paged engine: device memory budget")
+    parser.add_argument("--max-rows", type=int, default=1024, help="paged engine: decode slots")
+    parser.add_argument("--warmup-rows", type=int, default=1024, help="rows of the engines' warm-up call")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    shapes = args.shapes or [parse_shape(s) for s in (TINY_SHAPES if args.tiny else DEFAULT_ENGINES)]
+    if args.tiny:
+        args.models = ["tiny"]
+
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cuda":  # each static engine (one per shape) compiles its decode step: past the default limit of
+        # 8 recompilations of the same code, later ones would run eagerly
+        torch._dynamo.config.recompile_limit = 64
+    engines = [engine for engine in args.engines if available(engine)]
+    for engine in sorted(set(args.engines) - set(engines)):
+        print(f"note: the {engine} engine does not exist in this checkout; skipped", flush=True)
+    settings = {**vars(args), "shapes": [s.name for s in shapes], "device": device, "dtype": dtype}
+    output = ResultFile(args.output or default_output("bench_rollout", args.tiny, device), device, settings)
+    output.data["copy_bytes_per_s"] = bandwidth = copy_bandwidth(device)
+    output.data["models"] = {}  # the bytes a decode step reads, per model
+    results = output.data["results"] = []
+
+    def save(entry: dict) -> None:
+        results.append(entry)
+        output.save()
+        print({k: v for k, v in entry.items() if k not in ("engine_stats", "lengths")}, flush=True)
+
+    failures = 0
+    for (name, lora), model_shapes in model_runs(shapes, args).items():
+        model = build_model(name, lora, device, dtype)
+        label = f"{name}+lora-r16" if lora else name
+        output.data["models"][label] = sizes = {
+            "weight_bytes": decode_weight_bytes(model, dtype.itemsize),
+            "kv_bytes_per_token": kv_bytes_per_token(model.config, dtype.itemsize),
+        }
+        setup = {"device": device, "dtype": dtype, "copy_bytes_per_s": bandwidth, **sizes}
+        for engine in engines:
+            runs = [shape for shape in model_shapes if engine in shape.engines]
+            failures += run_engine(engine, model, runs, setup, args, record={"model": label}, save=save)
+        del model
+        release_memory()
+    print(table(results))
+    print(f"wrote {output.path}")
+    if failures:
+        raise SystemExit(f"{failures} measurement(s) failed (see the tracebacks above)")
+
+
+if __name__ == "__main__":
+    main()

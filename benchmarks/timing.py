@@ -1,0 +1,158 @@
+"""Timing and profiling: device-synchronised clocks, per-step trainer timers and profiles, and the hardware ceilings
+(bf16 matrix rate, copy bandwidth) that MFU and bandwidth use are read against."""
+
+from __future__ import annotations
+
+import collections
+import cProfile
+import io
+import pstats
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class StepTimer(TrainerCallback):
+    """Wall time of each optimizer step, device-synchronised at both ends."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        synchronize()
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        synchronize()
+        self.times.append(time.perf_counter() - self._start)
+
+
+class StepProfiler(TrainerCallback):
+    """Profile one optimizer step, written to `path` as a text report: the Python functions that take the most time
+    (cumulative, host clock: where a step's extra milliseconds go), the ops that take the most time and, on CUDA, how
+    many calls made the host wait for the device (each one stalls kernel launches)."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step != self.step:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.set_sync_debug_mode("warn")
+        self._warnings = warnings.catch_warnings(record=True)
+        self._caught = self._warnings.__enter__()
+        warnings.simplefilter("always")
+        self._profile = torch.profiler.profile(activities=activities)
+        self._profile.__enter__()
+        self._python = cProfile.Profile()
+        self._python.enable()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not hasattr(self, "_profile") or state.global_step != self.step + 1:
+            return
+        synchronize()
+        self._python.disable()
+        self._profile.__exit__(None, None, None)
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+        self._warnings.__exit__(None, None, None)
+        syncs = [w for w in self._caught if "synchroniz" in str(w.message)]
+        sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+        functions = io.StringIO()
+        pstats.Stats(self._python, stream=functions).strip_dirs().sort_stats("cumulative").print_stats(80)
+        averages = self._profile.key_averages()
+        device_sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        self.path.write_text(
+            f"host synchronisations in the step: {len(syncs)}\n"
+            + "".join(f"  {count:4d}  {site}\n" for site, count in sites.most_common(30))
+            + "\n" + functions.getvalue()
+            + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30)
+            + "\n" + averages.table(sort_by=device_sort, row_limit=30)
+        )  # fmt: skip
+        del self._profile, self._python
+
+
+def time_methods(trainer, sections: dict[str, list[tuple[int, float]]], generated: list[tuple[int, int]]) -> None:
+    """Time the trainer's own methods by wrapping them (device-synchronised): generation, the no-grad logprob pass,
+    generation + scoring + bookkeeping, and whole micro-batch training steps (which contain the former). Each call is
+    recorded with the optimizer step it ran in; each generation call's completion tokens go to `generated`."""
+
+    def timed(name, function):
+        def wrapper(*args, **kwargs):
+            synchronize()
+            start = time.perf_counter()
+            result = function(*args, **kwargs)
+            synchronize()
+            key = name if name != "logps" else ("train_forward" if torch.is_grad_enabled() else "logprob_pass")
+            sections.setdefault(key, []).append((trainer.state.global_step, time.perf_counter() - start))
+            if name == "generation":  # returns (completion ids, logprobs)
+                generated.append((trainer.state.global_step, sum(map(len, result[0]))))
+            return result
+
+        return wrapper
+
+    for name, method in [
+        ("generation", "_generate_single_turn"),
+        ("logps", "_get_per_token_logps_and_entropies"),
+        ("generate_and_score", "_generate_and_score_completions"),
+        ("training_step", "training_step"),
+    ]:
+        setattr(trainer, method, timed(name, getattr(trainer, method)))
+
+
+def timed_call(function, *args, **kwargs) -> tuple[object, float]:
+    """`function(*args, **kwargs)` and its device-synchronised wall time in seconds."""
+    synchronize()
+    start = time.perf_counter()
+    result = function(*args, **kwargs)
+    synchronize()
+    return result, time.perf_counter() - start
+
+
+def _median_seconds(function, repeats: int) -> float:
+    """Median time of `function` after 3 warm-up calls (CUDA events on the GPU, the host clock on the CPU)."""
+    for _ in range(3):
+        function()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            function()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            times.append(timed_call(function)[1])
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Measured device copy bandwidth in bytes/s, counting bytes read + written (1 GiB on CUDA, 16 MiB on the CPU)."""
+    values = 2**29 if device == "cuda" else 2**23
+    src = torch.randn(values, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    seconds = _median_seconds(lambda: dst.copy_(src), repeats=20)
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def hardware_ceilings(device: str) -> dict:
+    """Measured bf16 matrix rate and device copy bandwidth (the limits MFU and decode bandwidth are read against)."""
+    if device != "cuda":
+        return {}
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    matmul_s = _median_seconds(lambda: a @ b, repeats=20)
+    return {"bf16_tflops": 2 * 8192**3 / matmul_s / 1e12, "copy_tb_per_s": copy_bandwidth(device) / 1e12}
