@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import gc
 import importlib
+import math
 import re
 import traceback
 
@@ -61,6 +62,7 @@ DEFAULT_ENGINES = {
 TINY_SHAPES = ["32x16p8-fixed", "16x96p8", "16x8p8-fixed-lora"]
 SHAPE = re.compile(r"(\d+)x(\d+)(?:p(\d+))?(-fixed)?(-lora)?(?:=([a-z,]+))?")
 HF_WARMUP_TOKENS = 16  # HF generate has nothing to compile or capture: a short call warms up the device
+PAGED_WARMUP_TOKENS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,18 +169,26 @@ def release_memory() -> None:
 
 
 def warmup_call(engine: str, prompt_ids, settings: SamplingSettings, warmup_rows: int):
-    """The call that compiles and captures before the measured one: the same settings on up to `warmup_rows` rows
-    (the engines capture per row-count bucket and settings); for HF a few tokens on all rows."""
+    """The call that compiles and captures before the measured one. The static engine captures per (rows, length)
+    shape: the same settings on up to `warmup_rows` rows. The paged engine compiles once per process (its graphs,
+    per slot-count bucket, are captured inside every call, so they count in the measured one): up to `warmup_rows`
+    rows (the shape's prompts repeated) of at most PAGED_WARMUP_TOKENS tokens, so every bucket of a later, larger
+    shape is met too. HF: a few tokens on all rows."""
+    if engine == "static":
+        return prompt_ids[:warmup_rows], settings
+    tokens = min(settings.max_new_tokens, HF_WARMUP_TOKENS if engine == "hf" else PAGED_WARMUP_TOKENS)
+    short = dataclasses.replace(settings, max_new_tokens=tokens, min_new_tokens=min(settings.min_new_tokens, tokens))
     if engine == "hf":
-        tokens = min(settings.max_new_tokens, HF_WARMUP_TOKENS)
-        return prompt_ids, dataclasses.replace(settings, max_new_tokens=tokens, min_new_tokens=min(settings.min_new_tokens, tokens))  # fmt: skip
-    return prompt_ids[:warmup_rows], settings
+        return prompt_ids, short
+    return (prompt_ids * math.ceil(warmup_rows / len(prompt_ids)))[:warmup_rows], short
 
 
-def measure(engine: str, generate, prompt_ids, settings, setup: dict, args) -> dict:
-    """Warm-up, then one measured call of `generate` (`engine`'s) on `prompt_ids`."""
+def measure(engine: str, generate, prompt_ids, settings, setup: dict, args, warm: bool = False) -> dict:
+    """Warm-up (unless the engine is `warm` already), then one measured call of `generate` (`engine`'s)."""
     cuda = setup["device"] == "cuda"
-    _, warmup_s = timed_call(generate, *warmup_call(engine, prompt_ids, settings, args.warmup_rows))
+    warmup_s = 0.0
+    if not warm:
+        _, warmup_s = timed_call(generate, *warmup_call(engine, prompt_ids, settings, args.warmup_rows))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     (completions, stats), seconds = timed_call(generate, prompt_ids, settings)
@@ -236,7 +246,7 @@ def run_engine(engine: str, model, shapes: list[Shape], setup: dict, args, recor
                 generate, entry["build_s"] = timed_call(BUILDERS[engine], model, setup["dtype"], cuda, args)
             else:
                 generate, entry["build_s"] = reusable, 0.0
-            entry.update(measure(engine, generate, prompt_ids, sampling, setup, args))
+            entry.update(measure(engine, generate, prompt_ids, sampling, setup, args, warm=reusable is not None))
             reusable = generate if engine == "paged" else None
         except torch.OutOfMemoryError:
             entry["error"], reusable = "out of memory", None
