@@ -5,6 +5,7 @@
 
 Every field of `ScriptArguments`, `DAPOConfig` and TRL's `ModelConfig` can be set in the YAML or on the command line
 (the command line wins). Without a model name the run builds the tiny local model, so it works with no download.
+`--resume_from_checkpoint PATH` (or `true`: the last checkpoint in `output_dir`) continues a run where it stopped.
 """
 
 from __future__ import annotations
@@ -90,6 +91,13 @@ def build_offline_model(script_args: ScriptArguments, training_args: DAPOConfig,
     return str(path)
 
 
+def resume_point(value: str | None) -> str | bool | None:
+    """`--resume_from_checkpoint PATH` resumes from PATH; `true` from the last checkpoint in the output dir."""
+    if value is not None and value.lower() in ("true", "last"):
+        return True
+    return value
+
+
 def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: ModelConfig) -> dict:
     train_dataset, eval_dataset = load_datasets(script_args)
     if model_args.model_name_or_path:
@@ -121,7 +129,7 @@ def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: Mo
                 top_p=script_args.eval_top_p,
             )
         )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_point(training_args.resume_from_checkpoint))
     trainer.save_model(training_args.output_dir)
 
     summary = summarize(trainer.state.log_history, script_args.summary_window)

@@ -1,16 +1,22 @@
-"""Run by `accelerate launch` (1 or 2 CPU processes): one DAPO optimizer step on a scripted rollout.
+"""Run by `accelerate launch` (1 or 2 CPU processes): DAPO optimizer steps in three set-ups.
 
-Writes the updated parameters and the accepted rollout rows (before the micro-batch shuffle) so the test can compare
-a 2-process run with a 1-process run of the same global batch.
+- `scripted`: one step on a scripted rollout where dynamic sampling filters and draws extra rounds;
+- `partial`: dynamic sampling finds fewer informative groups than the batch needs (train_on_partial), so each rank
+  holds fewer rows than micro-batches and some micro-batches are empty;
+- `defaults`: `DAPOConfig`'s defaults (16 samples per prompt, 16 completions per device) with real generation.
+
+Writes, per set-up, the updated parameters, the accepted rollout rows (before the micro-batch shuffle) and the
+logged metrics, so the test can compare a 2-process run with a 1-process run of the same global batch.
 """
 
+import os
 import sys
 
 import torch
 from transformers import AutoTokenizer
 
-from helpers import arithmetic_prompts, dapo_args
-from trl_dapo import DAPOTrainer
+from helpers import CPU_ARGS, arithmetic_prompts, dapo_args, first_token_parity
+from trl_dapo import DAPOConfig, DAPOTrainer
 from trl_dapo.testing import ScriptedRollout
 
 
@@ -32,24 +38,32 @@ class RecordingDAPOTrainer(DAPOTrainer):
         return batch
 
 
-def main(model_path: str, output: str) -> None:
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
-    args = dapo_args(
-        output + ".run",
-        per_device_train_batch_size=16 // world,
-        gradient_accumulation_steps=2,
-        learning_rate=0.1,
-        max_steps=1,
+def trainers(model_path: str, output: str, world: int) -> dict[str, RecordingDAPOTrainer]:
+    rollout = ScriptedRollout(AutoTokenizer.from_pretrained(model_path))
+    common = dict(learning_rate=0.1, max_steps=1)
+    scripted = dapo_args(
+        output + ".scripted", per_device_train_batch_size=16 // world, gradient_accumulation_steps=2, **common
     )
-    trainer = RecordingDAPOTrainer(
-        model=model_path,
-        reward_funcs=reward_by_prompt,
-        args=args,
-        train_dataset=arithmetic_prompts(40),
-        rollout_func=ScriptedRollout(AutoTokenizer.from_pretrained(model_path)),
+    partial = dapo_args(
+        output + ".partial",
+        num_generations=2,
+        per_device_train_batch_size=4 // world,
+        gradient_accumulation_steps=4,
+        max_num_gen_batches=1,
+        **common,
     )
-    trainer.accepted = []
-    trainer.train()
+    defaults = DAPOConfig(output_dir=output + ".defaults", max_completion_length=8, max_steps=1, **CPU_ARGS)
+    scripted_run = dict(reward_funcs=reward_by_prompt, train_dataset=arithmetic_prompts(40), rollout_func=rollout)
+    return {
+        "scripted": RecordingDAPOTrainer(model=model_path, args=scripted, **scripted_run),
+        "partial": RecordingDAPOTrainer(model=model_path, args=partial, **scripted_run),
+        "defaults": RecordingDAPOTrainer(
+            model=model_path, reward_funcs=first_token_parity, args=defaults, train_dataset=arithmetic_prompts(40)
+        ),
+    }
+
+
+def accepted_rows(trainer: RecordingDAPOTrainer, world: int) -> list:
     rows = [
         (p[m.bool()].tolist(), c[cm.bool()].tolist(), float(a))
         for batch in trainer.accepted
@@ -62,20 +76,34 @@ def main(model_path: str, output: str) -> None:
             strict=True,
         )
     ]
-    gathered = [None] * world
+    gathered = [rows]
     if world > 1:
+        gathered = [None] * world
         torch.distributed.all_gather_object(gathered, rows)
-    else:
-        gathered = [rows]
-    if trainer.accelerator.is_main_process:
-        parameters = {
-            k: v.detach().cpu() for k, v in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+    return [r for rank in gathered for r in rank]
+
+
+def main(model_path: str, output: str) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    results = {}
+    for name, trainer in trainers(model_path, output, world).items():
+        trainer.accepted = []
+        trainer.train()
+        rows = accepted_rows(trainer, world)
+        micro_batch_rows = [int(mb["completion_ids"].size(0)) for mb in trainer._buffered_inputs]
+        results[name] = {
+            "parameters": {
+                k: v.detach().cpu() for k, v in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+            },
+            "rows": rows,
+            "metrics": [h for h in trainer.state.log_history if "dapo/gen_batches" in h],
+            "global_step": trainer.state.global_step,
+            "generation_batch_size": trainer.args.generation_batch_size,
+            "micro_batch_rows": micro_batch_rows,
         }
-        metrics = [h for h in trainer.state.log_history if "dapo/gen_batches" in h]
-        torch.save(
-            {"parameters": parameters, "rows": [r for rank in gathered for r in rank], "metrics": metrics}, output
-        )
     accelerator = trainer.accelerator
+    if accelerator.is_main_process:
+        torch.save(results, output)
     accelerator.wait_for_everyone()
     # The DDP reducer holds the process group: destroying the group first left gloo joining stuck threads at exit.
     del trainer

@@ -1,6 +1,8 @@
-"""Shared test helpers: fixed-length prompts, config defaults for the CPU, simple rewards."""
+"""Shared test helpers: fixed-length prompts, config defaults for the CPU, simple rewards, a free port."""
 
 from __future__ import annotations
+
+import socket
 
 from datasets import Dataset
 
@@ -44,3 +46,9 @@ def length_reward(completion_ids, **kwargs) -> list[float]:
 def first_token_parity(completion_ids, **kwargs) -> list[float]:
     """Varied within most groups of a random model's samples (whose lengths mostly hit the limit)."""
     return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

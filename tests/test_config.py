@@ -1,9 +1,20 @@
 """DAPOConfig defaults and every validation error (each names the field)."""
 
+import dataclasses
+
 import pytest
+from transformers import TrainingArguments
 from trl import GRPOConfig
 
 from trl_dapo import DAPOConfig
+from trl_dapo.trainer import grpo_fields
+from trl_dapo.trainer.grpo_fields import (
+    GENERIC_REASON,
+    HONOURED_FIELDS,
+    REASONS,
+    grpo_only_fields,
+    unhonoured_settings,
+)
 
 BASE = dict(output_dir="unused", use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=16)
 
@@ -21,6 +32,31 @@ def test_dapo_defaults():
     assert config.overlong_buffer_len == 4096 and config.overlong_penalty_factor == 1.0
     assert config.mask_truncated_completions is False
     assert config.max_surplus_age == 1  # one generation batch = one optimizer step by default
+    assert config.dynamic_sampling_on_limit == "train_on_partial"
+
+
+def test_the_bare_config_works_on_one_process():
+    """`DAPOConfig(output_dir=...)` as the README prints it: 16 completions per device = one group of 16."""
+    config = DAPOConfig(output_dir="unused")
+    assert (config.num_generations, config.per_device_train_batch_size) == (16, 16)
+    assert (config.generation_batch_size, config.steps_per_generation) == (16, 1)
+
+
+def test_a_batch_of_partial_groups_names_the_fields_to_change():
+    with pytest.raises(
+        ValueError, match=r"DAPOConfig.per_device_train_batch_size=8 is invalid: .* = 8 completions"
+    ) as error:
+        make(per_device_train_batch_size=8)
+    message = str(error.value)
+    assert "per_device_train_batch_size to a multiple of 16" in message
+    assert "steps_per_generation to a multiple of 2" in message  # 8 x 1 x 2 = 16
+    assert make(per_device_train_batch_size=8, steps_per_generation=2).generation_batch_size == 16
+    with pytest.raises(
+        ValueError, match=r"DAPOConfig.generation_batch_size=24 is invalid: use a multiple of .* \(16\)"
+    ):
+        make(per_device_train_batch_size=8, generation_batch_size=24)
+    with pytest.raises(ValueError, match=r"DAPOConfig.per_device_eval_batch_size=8 is invalid: .* multiple of 16"):
+        make(per_device_eval_batch_size=8, eval_strategy="steps")
 
 
 def test_surplus_age_defaults_to_one_generation_batch():
@@ -43,6 +79,9 @@ def test_oversample_accepts_auto_and_numbers():
         (dict(num_generations=1), "num_generations="),
         (dict(loss_type="grpo"), "loss_type="),
         (dict(beta=0.04), "beta="),
+        (dict(delta=2.0), "delta="),
+        (dict(vllm_importance_sampling_correction=True), "vllm_importance_sampling_correction="),
+        (dict(multi_objective_aggregation="normalize_then_sum"), "multi_objective_aggregation="),
         (dict(clip_ratio_c=1.0), "clip_ratio_c="),
         (dict(importance_sampling_level="sequence"), "importance_sampling_level="),
         (dict(top_entropy_quantile=0.2), "top_entropy_quantile="),
@@ -72,3 +111,58 @@ def test_invalid_settings_name_the_field(overrides, field):
 
 def test_batch_scaled_rewards_are_fine_without_dynamic_sampling():
     assert make(scale_rewards="batch", dynamic_sampling=False).scale_rewards == "batch"
+
+
+def test_normalize_then_sum_is_fine_without_dynamic_sampling():
+    config = make(multi_objective_aggregation="normalize_then_sum", dynamic_sampling=False)
+    assert config.multi_objective_aggregation == "normalize_then_sum"
+
+
+def a_value_other_than(default):
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int | float):
+        return default + 0.5 if isinstance(default, float) else default + 1
+    if isinstance(default, str):
+        return default + "_other"
+    return 0.5  # None
+
+
+UNHONOURED = [name for name in grpo_only_fields() if name not in HONOURED_FIELDS]
+
+
+@pytest.mark.parametrize("name", UNHONOURED)
+def test_every_grpo_field_dapo_does_not_honour_is_rejected_when_set(name):
+    default = {f.name: f.default for f in dataclasses.fields(DAPOConfig)}[name]
+    with pytest.raises(ValueError, match=rf"DAPOConfig.{name}=.* is invalid: .*; leave it at its default"):
+        make(**{name: a_value_other_than(default)})
+
+
+def test_the_field_lists_name_real_grpo_fields():
+    fields = set(grpo_only_fields())
+    assert fields >= HONOURED_FIELDS and set(REASONS) <= fields
+    assert len(UNHONOURED) >= 25  # KL, entropy, other losses' parameters, vLLM's IS correction, delta
+
+
+def test_a_field_a_later_trl_adds_is_rejected_until_it_is_reviewed(monkeypatch):
+    @dataclasses.dataclass
+    class LaterGRPOConfig(GRPOConfig):
+        new_knob: float = 0.0
+
+    monkeypatch.setattr(grpo_fields, "GRPOConfig", LaterGRPOConfig)
+    config = LaterGRPOConfig(output_dir="unused", use_cpu=True, report_to=[], new_knob=1.0)
+    assert unhonoured_settings(config) == [("new_knob", 1.0, 0.0, GENERIC_REASON)]
+    assert unhonoured_settings(LaterGRPOConfig(output_dir="unused", use_cpu=True, report_to=[])) == []
+
+
+@pytest.mark.parametrize("world", [1, 2, 8])
+def test_defaults_hold_whole_groups_of_16_on_any_number_of_processes(world, monkeypatch):
+    """The world size as TrainingArguments reports it after setting up the processes (faked here: one CPU)."""
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: world))
+    config = make(per_device_train_batch_size=16)
+    assert config.num_generations == 16 and config.generation_batch_size == 16 * world
+    if world == 1:
+        with pytest.raises(ValueError, match=r"DAPOConfig\.per_device_train_batch_size=8"):
+            make(per_device_train_batch_size=8)
+    else:  # 8 completions per process already make whole groups of 16 across processes
+        assert make(per_device_train_batch_size=8).generation_batch_size == 8 * world

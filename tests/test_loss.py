@@ -118,3 +118,38 @@ def test_gradient_matches_finite_differences():
         numeric[i, j] = (loss_of(plus) - loss_of(minus)) / (2 * step)
     torch.testing.assert_close(logps.grad, numeric, atol=1e-7, rtol=1e-6)
     assert logps.grad[1, 3:].abs().sum() == 0  # padding gets no gradient
+
+
+@pytest.mark.parametrize("garbage", [math.nan, math.inf, -math.inf])
+def test_non_finite_rollout_logprobs_outside_the_mask_change_nothing(garbage):
+    """Padding or tool tokens may carry any value (vLLM gives NaN for what it did not score): the loss, its gradient
+    and every metric must be what they are with finite values there. Hand value: token (0, 0) has ratio
+    e^(-0.5 + 1) = e^0.5 > 1.28 with A = 1 (clipped at 1.28), token (0, 1) ratio 1 with A = 1, token (1, 0) ratio 1
+    with A = -1: loss = (-1.28 - 1 + 1) / 3."""
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+
+    def run(old_fill: float):
+        logp = torch.tensor([[-0.5, -1.0, -2.0], [-1.0, -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+        old = torch.tensor([[-1.0, -1.0, old_fill], [-1.0, old_fill, old_fill]], dtype=torch.float64)
+        loss, stats = dapo_policy_loss(
+            logp,
+            old,
+            torch.tensor([1.0, -1.0], dtype=torch.float64),
+            mask,
+            epsilon_low=EPS_LOW,
+            epsilon_high=EPS_HIGH,
+            num_tokens=3,
+            clip_ratio_c=C,
+        )
+        loss.backward()
+        return loss, stats, logp.grad
+
+    loss, stats, grad = run(garbage)
+    clean_loss, clean_stats, clean_grad = run(0.0)
+    assert loss.item() == pytest.approx((-1.28 - 1 + 1) / 3)
+    torch.testing.assert_close(loss, clean_loss)
+    torch.testing.assert_close(grad, clean_grad)
+    assert torch.isfinite(grad).all() and grad[0, 2] == 0 and grad[1, 1:].abs().sum() == 0
+    for name, value in clean_stats.items():
+        torch.testing.assert_close(stats[name], value, msg=name)
+    assert stats["ratio_mean"].item() == pytest.approx((math.exp(0.5) + 1 + 1) / 3)

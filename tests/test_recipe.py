@@ -1,6 +1,7 @@
 """The math recipe: argument parsing from YAML and the command line, and a short real run of `tiny_cpu.yaml`."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,9 @@ from pathlib import Path
 import pytest
 from trl import ModelConfig, TrlParser
 
+from helpers import free_port
 from trl_dapo import DAPOConfig
+from trl_dapo.reporting import SUMMARY_METRICS
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -58,8 +61,56 @@ def test_tiny_recipe_runs_end_to_end(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert "| math/accuracy |" in result.stdout
     summary = json.loads((output / "summary.json").read_text())
+    assert set(summary) == set(SUMMARY_METRICS)  # what the README's demo table reports; its digits are the machine's
+    assert all(math.isfinite(v) for values in summary.values() for v in values.values())
     assert 0.0 <= summary["math/accuracy"]["last"] <= 1.0
+    assert 0.0 <= summary["dapo/sampling_efficiency"]["last"] <= 1.0 and summary["dapo/gen_batches"]["last"] >= 1
     assert (output / "training_curves.png").stat().st_size > 10_000
     assert 0.0 <= summary["eval/accuracy"]["last"] <= 1.0  # held-out avg@k was logged
     assert list((output / "runs").rglob("events.out.tfevents.*"))
     assert (output / "adapter_config.json").exists()  # LoRA through TRL's ModelConfig
+
+
+def test_help_prints():
+    """Every help string reaches argparse, which reads "%" as a format directive."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "recipes/dapo_math.py"), "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "--dynamic_sampling_on_limit" in result.stdout and "--overlong_buffer_len" in result.stdout
+
+
+def test_resume_from_checkpoint_continues_the_run(tmp_path):
+    from dapo_math import main
+
+    output = tmp_path / "run"
+    quick = [
+        "--config", str(ROOT / "recipes/configs/tiny_cpu.yaml"), "--output_dir", str(output),
+        "--tiny_model_warm_start_steps", "2", "--arithmetic_num_test", "0", "--report_to", "none",
+        "--logging_steps", "1", "--per_device_train_batch_size", "16", "--generation_batch_size", "32",
+        "--save_strategy", "steps", "--save_steps", "1",
+    ]  # fmt: skip
+    main(*parse(*quick, "--max_steps", "2"))
+    first_state = output / "checkpoint-1" / "trainer_state.json"
+    written = first_state.stat().st_mtime_ns
+    main(*parse(*quick, "--max_steps", "3", "--resume_from_checkpoint", str(output / "checkpoint-2")))
+    assert first_state.stat().st_mtime_ns == written  # not trained (and saved) again from step 0
+    state = json.loads((output / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+    assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3]
+
+
+@pytest.mark.distributed
+def test_tiny_recipe_trains_on_two_processes(tmp_path):
+    """The demo config under the CPU data-parallel launcher: its generation batch fits the 25 prompts there too."""
+    output = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/cpu_ddp.yaml"),
+        "--main_process_port", str(free_port()), str(ROOT / "recipes/dapo_math.py"),
+        "--config", str(ROOT / "recipes/configs/tiny_cpu.yaml"), "--output_dir", str(output), "--max_steps", "2",
+        "--logging_steps", "1", "--tiny_model_warm_start_steps", "2", "--report_to", "none", "--summary_window", "1",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((output / "summary.json").read_text())
+    assert "math/accuracy" in summary and "dapo/gen_batches" in summary, summary

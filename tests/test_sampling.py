@@ -1,17 +1,19 @@
 """Group filter, the dynamic-sampling buffer, round sizing and the prompt stream, on hand-built batches."""
 
+import io
 import math
 
 import pytest
 import torch
+from datasets import Dataset
 
 from trl_dapo.rewards import soft_overlong_penalty
 from trl_dapo.sampling import (
     DynamicSamplingBuffer,
     DynamicSamplingLimitError,
-    PromptStream,
     filter_groups,
     group_outcomes,
+    make_prompt_stream,
     plan_round_groups,
     solve_rate,
 )
@@ -47,11 +49,12 @@ def make_batch(group_ids: list[int], completion_len: int = 3) -> dict:
 
 
 def scripted_rounds(rounds: list[tuple[list[int], list[bool]]]):
-    """A `generate_round` that plays back (group ids, informative?) per round and records the requested sizes."""
+    """A `generate_round` that plays back (group ids, informative?) per round and records the planned sizes."""
     requested = []
 
-    def generate(missing: int):
-        requested.append(missing)
+    def generate(groups: int, round_index: int):
+        assert round_index == len(requested)
+        requested.append(groups)
         groups, informative = rounds[len(requested) - 1]
         metric = torch.tensor([v for keep in informative for v in ((1.0, 0.0) if keep else (1.0, 1.0))])
         return make_batch(groups), metric
@@ -91,7 +94,7 @@ def test_surplus_comes_first_next_time_and_ages_out():
     generate, requested = scripted_rounds([([4, 5], [True, True])])
     batch, stats = buffer.fill(2, generate, step=1)
     assert groups_of(batch) == [3, 4]  # surplus group 3 first, its rollout logprobs intact
-    assert stats.surplus_used == 1 and requested == [1]
+    assert stats.surplus_used == 1 and requested == [2]  # the first round is the whole dataloader batch
     assert buffer.num_surplus_groups == 1  # group 5, born at step 1
 
     generate, _ = scripted_rounds([([6, 7], [True, True])])
@@ -110,7 +113,7 @@ def test_surplus_off_discards_and_counts_it():
 def test_limit_raises_with_what_was_found():
     generate, _ = scripted_rounds([([1, 2], [True, False]), ([3, 4], [False, False])])
     with pytest.raises(DynamicSamplingLimitError, match=r"2 candidate generation rounds .* found 1 of the 3"):
-        new_buffer(max_num_gen_batches=2).fill(3, generate, step=0)
+        new_buffer(max_num_gen_batches=2, on_limit="raise").fill(3, generate, step=0)
 
 
 def test_limit_can_train_on_partial_in_whole_shareable_groups():
@@ -121,20 +124,46 @@ def test_limit_can_train_on_partial_in_whole_shareable_groups():
     assert buffer.num_surplus_groups == 1  # group 3 did not fit the multiple: kept, not dropped
 
 
+def test_limit_with_nothing_informative_returns_an_empty_batch_to_skip():
+    generate, requested = scripted_rounds([([1, 2], [False, False]), ([3, 4], [False, False])])
+    batch, stats = new_buffer(max_num_gen_batches=2, on_limit="train_on_partial").fill(2, generate, step=0)
+    assert groups_of(batch) == [] and set(batch) == set(make_batch([1]))  # every key, zero rows
+    assert stats.partial and requested == [2, 2]
+
+
 def test_unlimited_rounds():
     rounds = [([i], [False]) for i in range(12)] + [([99], [True])]
     generate, _ = scripted_rounds(rounds)
-    batch, stats = new_buffer(max_num_gen_batches=0).fill(1, generate, step=0)
+    batch, stats = new_buffer(max_num_gen_batches=0).fill(1, generate, step=0, dataset_prompts=13)
     assert groups_of(batch) == [99] and stats.gen_batches == 13
 
 
-def test_buffer_state_round_trips():
+def test_unlimited_rounds_stop_after_a_full_pass_without_an_informative_group():
+    """5 prompts in the training set: the 5th uninformative group in a row ends the search, instead of looping."""
+    generate, requested = scripted_rounds([([1, 2], [True, False])] + [([i], [False]) for i in range(3, 20)])
+    with pytest.raises(DynamicSamplingLimitError, match="at least 5 groups in a row, as many as train_dataset has"):
+        new_buffer(max_num_gen_batches=0).fill(3, generate, step=0, dataset_prompts=5)
+    assert len(requested) == 6  # round 1 found one; rounds 2-6 found nothing in 5 groups
+
+
+def test_extra_rounds_are_reported_before_they_run():
+    reports = []
+    generate, _ = scripted_rounds([([1, 2], [True, False]), ([3], [False]), ([4], [True])])
+    new_buffer().fill(2, generate, step=0, report=lambda *args: reports.append(args))
+    assert reports == [(1, 1, 1, 2), (2, 1, 1, 2)]  # (round index, groups to generate, found, needed)
+
+
+def test_buffer_state_round_trips_through_a_weights_only_load():
     buffer = new_buffer()
     generate, _ = scripted_rounds([([1, 2, 3], [True, True, False])])
     buffer.fill(1, generate, step=4)
+    saved = io.BytesIO()
+    torch.save(buffer.state_dict(), saved)
+    saved.seek(0)
     restored = new_buffer()
-    restored.load_state_dict(buffer.state_dict())
+    restored.load_state_dict(torch.load(saved, weights_only=True), device="cpu")
     assert restored.num_surplus_groups == 1 and restored.surplus_birth.tolist() == [4]
+    assert groups_of(restored.surplus) == [2]
     assert restored.efficiency == buffer.efficiency
 
 
@@ -168,16 +197,26 @@ def test_round_sizing(missing, efficiency, oversample, minimum, expected):
     assert plan_round_groups(missing, efficiency, oversample, cap=32, multiple=2, minimum=minimum) == expected
 
 
-def test_prompt_stream_covers_each_epoch_and_resumes():
-    stream = PromptStream(5, seed=3)
-    first = stream.take(5)
-    assert sorted(first) == [0, 1, 2, 3, 4]
+def numbered(count: int) -> Dataset:
+    return Dataset.from_dict({"prompt": [f"p{i}" for i in range(count)], "i": list(range(count))})
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "streaming"])
+def test_prompt_stream_covers_each_epoch_and_resumes(streaming):
+    dataset = numbered(5).to_iterable_dataset() if streaming else numbered(5)
+    stream = make_prompt_stream(dataset, seed=3, shuffle=True)
+    first = [row["i"] for row in stream.take(5)]
+    assert sorted(first) == [0, 1, 2, 3, 4] and stream.num_prompts == (None if streaming else 5)
     state = stream.state_dict()
-    following = stream.take(7)
-    assert sorted(following[:5]) == [0, 1, 2, 3, 4] and following[:5] != first
-    again = PromptStream(5, seed=0)
-    again.load_state_dict(state)
-    assert again.take(7) == following
+    following = [row["i"] for row in stream.take(7)]
+    assert sorted(following[:5]) == [0, 1, 2, 3, 4] and following[:5] != first  # a new epoch, a new order
+    assert stream.num_prompts == 5  # a stream knows its size once a pass has ended
+    saved = io.BytesIO()
+    torch.save(state, saved)
+    saved.seek(0)
+    again = make_prompt_stream(dataset, seed=3, shuffle=True)
+    again.load_state_dict(torch.load(saved, weights_only=True))
+    assert [row["i"] for row in again.take(7)] == following
 
 
 def test_concat_repads_and_shard_trims():

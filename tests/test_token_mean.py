@@ -95,7 +95,7 @@ def test_two_optimizer_steps_of_one_generation_batch_each_use_their_own_token_co
     first = reference_sgd_step(reference, micro_batches[:2])
     second = reference_sgd_step(reference, micro_batches[2:])
     assert first != second, "the test needs steps with different token counts to tell the normalisers apart"
-    assert [int(mb["num_items_in_batch"]) for mb in micro_batches] == [first, first, second, second]
+    assert [int(mb["step_loss_tokens"]) for mb in micro_batches] == [first, first, second, second]
     assert_same_parameters(trainer.model, reference)
 
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from peft import LoraConfig
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from helpers import arithmetic_prompts, dapo_args, first_token_parity, length_reward
 from trl_dapo import DAPOTrainer
@@ -14,6 +14,9 @@ from trl_dapo.integrity import RolloutIntegrityError
 from trl_dapo.rewards import soft_overlong_penalty
 from trl_dapo.sampling import DynamicSamplingLimitError
 from trl_dapo.testing import ScriptedRollout
+from trl_dapo.trainer.batch_metrics import trained_batch_metric_names
+from trl_dapo.trainer.handoff import HandOff
+from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE, _RoundProgress
 
 DAPO_METRICS = [
     "clip_ratio/low_mean",
@@ -65,7 +68,7 @@ def test_real_generation_trains_and_logs_finite_dapo_metrics(tiny_model, tmp_pat
     assert min(logged(trainer, "logprob_gap_max")) < 1e-4  # rollout and training forward agree before updates
 
 
-def test_dynamic_sampling_filters_then_retries(tiny_model, tmp_path):
+def test_dynamic_sampling_filters_then_retries(tiny_model, tmp_path, caplog):
     calls = []
 
     def all_equal_first(completion_ids, **kwargs):
@@ -75,19 +78,101 @@ def test_dynamic_sampling_filters_then_retries(tiny_model, tmp_path):
         return [float(len(ids) % 2) for ids in completion_ids]
 
     trainer = make_trainer(tiny_model, tmp_path, reward=all_equal_first, scripted=True, max_steps=1)
-    trainer.train()
+    with caplog.at_level("INFO", logger="trl_dapo"):
+        trainer.train()
     metrics = trainer.state.log_history[0]
     assert metrics["dapo/gen_batches"] >= 2
     assert metrics["dapo/filtered_groups_all_correct"] >= 2  # the whole first round
     assert metrics["dapo/qualified_groups"] >= 2
     assert calls[0] == 8 and len(calls) == metrics["dapo/gen_batches"]
+    # every extra round is visible
+    assert "Dynamic sampling round 2: 0 of 2 informative groups found so far, generating 2 candidate groups." in (
+        caplog.text
+    )
+    assert caplog.text.count("Dynamic sampling round") == metrics["dapo/gen_batches"] - 1
+
+
+def test_extra_rounds_show_a_progress_bar(capsys):
+    with _RoundProgress(enabled=True) as progress:
+        progress(1, 4, 3, 8)
+    assert "dynamic sampling" in capsys.readouterr().err
 
 
 def test_limit_raises_a_clear_error(tiny_model, tmp_path):
     trainer = make_trainer(
-        tiny_model, tmp_path, reward=lambda completion_ids, **kw: [0.0] * len(completion_ids), max_num_gen_batches=3
+        tiny_model,
+        tmp_path,
+        reward=constant_reward,
+        max_num_gen_batches=3,
+        dynamic_sampling_on_limit="raise",
     )
     with pytest.raises(DynamicSamplingLimitError, match=r"3 candidate generation rounds .* found 0 of the 2"):
+        trainer.train()
+
+
+def constant_reward(completion_ids, **kwargs) -> list[float]:
+    return [0.0] * len(completion_ids)
+
+
+class Snapshots(TrainerCallback):
+    """Parameters and AdamW moments after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[dict, dict]] = []
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        parameters = {n: p.detach().clone() for n, p in model.named_parameters()}
+        moments = {id(p): s["exp_avg"].clone() for p, s in optimizer.state.items() if "exp_avg" in s}
+        self.steps.append((parameters, moments))
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_a_step_without_informative_groups_is_skipped(tiny_model, tmp_path, caplog, num_iterations):
+    """The default train_on_partial: the first generation batch trains; the second finds no informative group in
+    its rounds, and each of its optimizer steps (num_iterations of them) must leave the parameters and AdamW's
+    moments untouched (a zero-gradient step would still move them: weight decay and momentum), while the step
+    counter advances and dapo/skipped_steps counts them."""
+
+    def varied_then_constant(completion_ids, trainer_state, **kwargs):
+        return (
+            first_token_parity(completion_ids) if trainer_state.global_step == 0 else constant_reward(completion_ids)
+        )
+
+    trainer = make_trainer(
+        tiny_model,
+        tmp_path,
+        reward=varied_then_constant,
+        optim="adamw_torch",
+        weight_decay=0.1,
+        max_num_gen_batches=2,
+        num_iterations=num_iterations,
+        max_steps=2 * num_iterations,
+    )
+    snapshots = Snapshots()
+    trainer.add_callback(snapshots)
+    with caplog.at_level("WARNING", logger="trl_dapo"):
+        trainer.train()
+    assert trainer.state.global_step == 2 * num_iterations
+    trained, skipped = snapshots.steps[num_iterations - 1], snapshots.steps[num_iterations:]
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    assert any(not torch.equal(trained[0][n], initial[n]) for n in trained[0])  # the first batch trained
+    assert trained[1]
+    for parameters, moments in skipped:
+        assert all(torch.equal(parameters[name], value) for name, value in trained[0].items())
+        assert all(torch.equal(moments[key], value) for key, value in trained[1].items())
+    assert logged(trainer, "dapo/skipped_steps") == [0.0, float(num_iterations)]
+    assert logged(trainer, "dapo/qualified_groups")[1] == 0 and logged(trainer, "dapo/gen_batches")[1] == 2
+    assert (
+        f"{num_iterations} of the {num_iterations} optimizer steps of this generation batch have no rollout rows"
+        in caplog.text
+    )
+
+
+def test_unlimited_rounds_stop_after_a_full_pass_over_the_prompts(tiny_model, tmp_path):
+    trainer = make_trainer(
+        tiny_model, tmp_path, reward=constant_reward, max_num_gen_batches=0, dataset=arithmetic_prompts(8)
+    )
+    with pytest.raises(DynamicSamplingLimitError, match="at least 8 groups in a row, as many as train_dataset has"):
         trainer.train()
 
 
@@ -112,7 +197,7 @@ def test_train_on_partial_uses_the_groups_found_and_their_token_count(tiny_model
     assert metrics["dapo/partial_batch"] == 1.0 and metrics["dapo/qualified_groups"] == 1
     (micro_batch,) = trainer._buffered_inputs
     assert micro_batch["completion_ids"].size(0) == 4  # one group, not padded up to four
-    assert int(micro_batch["num_items_in_batch"]) == int(micro_batch["completion_mask"].sum())
+    assert int(micro_batch["step_loss_tokens"]) == int(micro_batch["completion_mask"].sum())
 
 
 def test_overlong_penalty_enters_the_reward_before_advantages(tiny_model, tmp_path):
@@ -171,10 +256,98 @@ def test_unknown_filter_metric_is_rejected(tiny_model, tmp_path):
         make_trainer(tiny_model, tmp_path, dynamic_sampling_metric="accuracy")
 
 
-def test_filter_on_the_total_reward(tiny_model, tmp_path):
-    trainer = make_trainer(tiny_model, tmp_path, scripted=True, dynamic_sampling_metric="reward", max_steps=1)
+def always_right(completion_ids, **kwargs) -> list[float]:
+    return [1.0] * len(completion_ids)
+
+
+class AlternatingForEveryThirdPrompt:
+    """0, 1, 0, 1 within the group of a prompt whose index is a multiple of 3 (a group is consecutive rows), 0 for
+    the others; records the prompt index of every group it scores."""
+
+    __name__ = "alternating_for_every_third_prompt"
+
+    def __init__(self, num_generations: int) -> None:
+        self.num_generations = num_generations
+        self.groups: list[int] = []
+
+    def __call__(self, completion_ids, index, **kwargs) -> list[float]:
+        self.groups += index[:: self.num_generations]
+        return [float(row % 2) if i % 3 == 0 else 0.0 for row, i in enumerate(index)]
+
+
+@pytest.mark.parametrize(
+    ("metric", "weights", "kept"),
+    [("reward", None, "varied"), ("reward", [1.0, 0.0], "none"), (None, None, "none")],
+    ids=["total", "total-with-zero-weight", "first-function"],
+)
+def test_the_filter_reads_the_metric_it_is_told(tiny_model, tmp_path, metric, weights, kept):
+    """The first function is constant, the second varies only in the groups of every third prompt: the total reward
+    keeps exactly those groups, unless the second function weighs 0; the default (first function) keeps none (no
+    overlong penalty, which would join the total)."""
+    varying = AlternatingForEveryThirdPrompt(num_generations=4)
+    trainer = make_trainer(
+        tiny_model,
+        tmp_path,
+        reward=[always_right, varying],
+        scripted=True,
+        overlong_buffer_len=0,
+        dynamic_sampling_metric=metric,
+        reward_weights=weights,
+        max_num_gen_batches=3,
+        max_steps=1,
+    )
     trainer.train()
-    assert logged(trainer, "dapo/qualified_groups")[0] >= 2
+    varied = sum(i % 3 == 0 for i in varying.groups)
+    assert 0 < varied < len(varying.groups)  # both kinds were generated
+    assert logged(trainer, "dapo/generated_groups") == [len(varying.groups)]
+    assert logged(trainer, "dapo/qualified_groups") == [varied if kept == "varied" else 0]
+    if kept == "none":
+        assert logged(trainer, "dapo/skipped_steps") == [1.0]
+        return
+    assert trainer._buffered_inputs[0]["advantages"].abs().sum() > 0
+    # TRL's reward metrics describe the trained groups (rewards 1 + 0/1 alternating), not the candidates, where
+    # (generated - varied) of the groups had zero std
+    assert logged(trainer, "frac_reward_zero_std") == [0.0]
+    assert logged(trainer, "reward") == [1.5] and logged(trainer, "rewards/always_right/mean") == [1.0]
+    assert logged(trainer, "rewards/alternating_for_every_third_prompt/mean") == [0.5]
+
+
+def alternating(completion_ids, **kwargs) -> list[float]:
+    """0, 1, 0, 1 down the rows: every group varies."""
+    return [float(row % 2) for row in range(len(completion_ids))]
+
+
+def test_trained_batch_metrics_are_trls_when_every_candidate_is_trained(tiny_model, tmp_path):
+    """When the first round is accepted whole, DAPO's recomputed completion and reward metrics must equal the ones
+    GRPOTrainer logs for the same scripted completions and rewards."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from helpers import CPU_ARGS
+
+    rollout = ScriptedRollout(AutoTokenizer.from_pretrained(tiny_model))
+    settings = dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=8, max_steps=1, seed=0)
+    grpo = GRPOTrainer(
+        model=tiny_model,
+        reward_funcs=[alternating, length_reward],
+        args=GRPOConfig(output_dir=str(tmp_path / "grpo"), **settings, **CPU_ARGS),
+        train_dataset=arithmetic_prompts(40),
+        rollout_func=rollout,
+    )
+    grpo.train()
+    dapo = make_trainer(
+        tiny_model,
+        tmp_path / "dapo",
+        reward=[alternating, length_reward],
+        scripted=True,
+        overlong_buffer_len=0,
+        max_steps=1,
+    )
+    dapo.train()
+    assert logged(dapo, "dapo/gen_batches") == [1] and logged(dapo, "dapo/filtered_groups") == [0]
+    names = [n for n in grpo.state.log_history[0] if n.startswith(("completions/", "reward", "frac_reward"))]
+    assert len(names) == 14 and set(names) == set(trained_batch_metric_names(grpo.reward_func_names))
+    for name in names:
+        assert dapo.state.log_history[0][name] == pytest.approx(grpo.state.log_history[0][name], abs=1e-6), name
 
 
 def test_lora_and_evaluation(tiny_model, tmp_path):
@@ -225,10 +398,110 @@ def test_resume_gives_the_same_next_batch_and_parameters(tiny_model, tmp_path, s
         torch.testing.assert_close(a, b, msg=name)
 
 
-def test_streaming_dataset_needs_dynamic_sampling_off(tiny_model, tmp_path):
+def test_streaming_dataset_feeds_the_extra_rounds(tiny_model, tmp_path):
+    """An IterableDataset with dynamic sampling: the first round of each step comes from the Trainer's dataloader,
+    extra rounds from a stream of its own, whose position is saved with the checkpoint."""
+    calls = []
+
+    def all_equal_first(completion_ids, **kwargs):
+        calls.append(len(completion_ids))
+        return [1.0] * len(completion_ids) if len(calls) == 1 else length_reward(completion_ids)
+
     stream = arithmetic_prompts(16).to_iterable_dataset()
-    with pytest.raises(ValueError, match="train_dataset: dynamic sampling draws extra prompts by index"):
-        make_trainer(tiny_model, tmp_path, dataset=stream)
-    trainer = make_trainer(tiny_model, tmp_path, dataset=stream, dynamic_sampling=False, max_steps=1)
+    trainer = make_trainer(
+        tiny_model,
+        tmp_path,
+        reward=all_equal_first,
+        scripted=True,
+        dataset=stream,
+        save_strategy="steps",
+        save_steps=1,
+    )
     trainer.train()
-    assert trainer.state.global_step == 1
+    assert trainer.state.global_step == 2
+    assert logged(trainer, "dapo/gen_batches")[0] >= 2 and logged(trainer, "dapo/qualified_groups")[0] >= 2
+    state = torch.load(tmp_path / "checkpoint-1" / SAMPLING_STATE_FILE, weights_only=True)
+    drawn = logged(trainer, "dapo/generated_groups")[0] - 2  # groups beyond the dataloader's 2
+    assert state["prompt_stream"]["rows_in_epoch"] == drawn and state["prompt_stream"]["epoch"] == 0
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True], ids=["plain", "mask_truncated_completions"])
+def test_truncated_ratio_counts_the_completions_without_eos(tiny_model, tmp_path, mask_truncated):
+    """The scripted rollout ends some completions with EOS and not others (all shorter than the limit of 8, so a
+    completion is truncated exactly when it lacks EOS); masking truncated completions must not hide them."""
+    trainer = make_trainer(
+        tiny_model,
+        tmp_path,
+        scripted=True,
+        dynamic_sampling=False,
+        mask_truncated_completions=mask_truncated,
+        max_steps=1,
+    )
+    trainer.train()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    (batch,) = trainer._buffered_inputs
+    real = batch["completion_ids"] != tokenizer.pad_token_id  # scripted tokens are never the pad token
+    last = batch["completion_ids"].gather(1, (real.sum(dim=1, keepdim=True) - 1))
+    expected = (last.squeeze(1) != tokenizer.eos_token_id).float().mean().item()
+    assert 0 < expected < 1
+    assert logged(trainer, "dapo/truncated_ratio") == [pytest.approx(expected)]
+
+
+def test_the_callers_reward_lists_are_left_alone(tiny_model, tmp_path):
+    reward_funcs, processing_classes = [length_reward, first_token_parity], [None, None]
+    trainer = DAPOTrainer(
+        model=tiny_model,
+        reward_funcs=reward_funcs,
+        reward_processing_classes=processing_classes,
+        args=dapo_args(tmp_path, per_device_train_batch_size=8),
+        train_dataset=arithmetic_prompts(8),
+    )
+    assert trainer.reward_func_names == ["length_reward", "first_token_parity", "overlong_penalty"]
+    assert reward_funcs == [length_reward, first_token_parity] and processing_classes == [None, None]
+
+
+@pytest.mark.parametrize("which", ["train_dataset", "eval_dataset"])
+def test_a_missing_prompt_column_is_named_when_the_trainer_is_built(tiny_model, tmp_path, which):
+    datasets = {"train_dataset": arithmetic_prompts(8), "eval_dataset": arithmetic_prompts(8)}
+    datasets[which] = datasets[which].rename_column("prompt", "question")
+    with pytest.raises(ValueError, match=rf"{which} has no 'prompt' column \(columns: \['question', 'index'\]\)"):
+        DAPOTrainer(
+            model=tiny_model,
+            reward_funcs=length_reward,
+            args=dapo_args(tmp_path, per_device_train_batch_size=8),
+            **datasets,
+        )
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "streaming"])
+def test_a_run_that_would_train_zero_steps_is_an_error(tiny_model, tmp_path, streaming):
+    dataset = arithmetic_prompts(3)  # one generation batch = 16 rows / 4 samples = 4 prompts
+    with pytest.raises(ValueError, match=r"train_dataset has 3 prompts, fewer than one generation batch takes: 4 "):
+        make_trainer(
+            tiny_model,
+            tmp_path,
+            dataset=dataset.to_iterable_dataset() if streaming else dataset,
+            per_device_train_batch_size=16,
+        )
+
+
+def test_fp16_cannot_skip_a_step_and_says_so(tiny_model, tmp_path):
+    """torch's GradScaler asserts on an optimizer step without gradients; a skipped step under fp16 must say why
+    (fp16 needs a GPU, so the scaler is set by hand on the CPU trainer)."""
+    trainer = make_trainer(tiny_model, tmp_path)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    no_rows = torch.zeros(0, 3, dtype=torch.long)
+    empty = {"prompt_ids": no_rows, "prompt_mask": no_rows, "completion_ids": no_rows, "completion_mask": no_rows}
+    with pytest.raises(ValueError, match="fp16's gradient scaler cannot step without gradients"):
+        trainer._split_into_micro_batches(empty)
+
+
+def test_a_hand_off_is_read_once_and_never_stale():
+    slot = HandOff("round scores")
+    with pytest.raises(RuntimeError, match="round scores: no value was produced"):
+        slot.take()
+    assert slot.take_if_any() is None
+    slot.put(1)
+    with pytest.raises(RuntimeError, match="round scores: the value of the previous rollout was never used"):
+        slot.put(2)
+    assert slot.take() == 1 and slot.take_if_any() is None

@@ -57,9 +57,13 @@ def check_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_genera
 
 
 def check_completions(
-    completion_ids: torch.Tensor, completion_mask: torch.Tensor, old_per_token_logps: torch.Tensor
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
 ) -> None:
-    """Completion ids, mask and rollout logprobs align token for token; logprobs are finite wherever they count."""
+    """Completion ids, mask and rollout logprobs align token for token; logprobs are finite wherever they count
+    (`loss_mask`, default the completion mask: tool or environment tokens were not sampled and carry none)."""
     if completion_mask.shape != completion_ids.shape:
         raise RolloutIntegrityError(
             f"completion_mask: shape {tuple(completion_mask.shape)} differs from completion_ids "
@@ -77,7 +81,8 @@ def check_completions(
         raise RolloutIntegrityError(
             f"completion_mask: row {row} has active tokens after padding; completions must be right-padded."
         )
-    bad = mask & ~torch.isfinite(old_per_token_logps)
+    counted = mask if loss_mask is None else loss_mask.bool()
+    bad = counted & ~torch.isfinite(old_per_token_logps)
     if bad.any():
         row, col = (int(i) for i in bad.nonzero()[0])
         raise RolloutIntegrityError(

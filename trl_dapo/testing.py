@@ -10,7 +10,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForSequenceClassification,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 # Qwen2's pre-tokenizer split (digits one by one, words with their leading space), so `AutoTokenizer`, which loads
 # this folder as a `Qwen2Tokenizer`, tokenizes exactly as the tokenizer built here.
@@ -61,10 +68,15 @@ def build_tiny_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     seed: int = 0,
+    kind: str = "causal_lm",
 ) -> str:
-    """Save a randomly initialised 2-layer Qwen2 and its tokenizer to `output_dir`; return the path."""
+    """Save a randomly initialised 2-layer model and its tokenizer to `output_dir`; return the path.
+
+    `kind`: `"causal_lm"` (Qwen2), `"moe"` (Qwen3-MoE, 4 experts, returns the router load-balancing loss) or
+    `"reward"` (a Qwen2 sequence classifier with one score, the shape of a reward model).
+    """
     tokenizer = build_tiny_tokenizer()
-    config = Qwen2Config(
+    shared = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -78,9 +90,25 @@ def build_tiny_model(
         bos_token_id=None,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if kind == "causal_lm":
+        model = Qwen2ForCausalLM(Qwen2Config(**shared))
+    elif kind == "moe":
+        config = Qwen3MoeConfig(
+            **shared,
+            head_dim=hidden_size // 4,
+            moe_intermediate_size=hidden_size // 2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.01,
+        )
+        model = Qwen3MoeForCausalLM(config)
+    elif kind == "reward":
+        model = Qwen2ForSequenceClassification(Qwen2Config(**shared, num_labels=1))
+    else:
+        raise ValueError(f"kind={kind!r}: use 'causal_lm', 'moe' or 'reward'.")
+    if model.can_generate():
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return str(output_dir)

@@ -3,15 +3,17 @@ prompt stream for extra candidate rounds. Nothing here imports the trainer."""
 
 from .buffer import DynamicSamplingBuffer, DynamicSamplingLimitError, SamplingStats, plan_round_groups
 from .filters import filter_groups, group_outcomes, solve_rate
-from .prompt_stream import PromptStream
+from .prompt_stream import IterablePromptStream, PromptStream, make_prompt_stream
 
 __all__ = [
     "DynamicSamplingBuffer",
     "DynamicSamplingLimitError",
+    "IterablePromptStream",
     "PromptStream",
     "SamplingStats",
     "filter_groups",
     "group_outcomes",
+    "make_prompt_stream",
     "plan_round_groups",
     "solve_rate",
 ]

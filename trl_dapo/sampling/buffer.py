@@ -16,8 +16,11 @@ import torch
 from .filters import filter_groups, group_outcomes, solve_rate
 from .rollout_batch import RolloutBatch, concat_rollouts, num_rows, select_rows
 
-# One candidate round: given the number of groups to generate, return the global batch and its per-row filter metric.
-GenerateRound = Callable[[int], tuple[RolloutBatch, torch.Tensor]]
+# One candidate round: given how many groups to generate and the round's index (0 = the first of this generation
+# batch, which carries the Trainer's own dataloader batch), return the global batch and its per-row filter metric.
+GenerateRound = Callable[[int, int], tuple[RolloutBatch, torch.Tensor]]
+# Told before each extra round: (round index, groups it will generate, informative groups so far, groups needed).
+RoundReport = Callable[[int, int, int, int], None]
 
 # Margin over the expected need when sizing rounds from the running efficiency ("auto"): overshoot is kept as
 # surplus, a second round costs a whole generation pass.
@@ -78,16 +81,19 @@ def plan_round_groups(
 
 
 class DynamicSamplingBuffer:
-    """Collect informative groups; keep the surplus (with its birth step) for later generation batches."""
+    """Collect informative groups over candidate rounds it sizes itself; keep the surplus (with its birth step) for
+    later generation batches."""
 
     def __init__(
         self,
         num_generations: int,
         pad_token_id: int,
         max_num_gen_batches: int = 10,
-        on_limit: str = "raise",
+        on_limit: str = "train_on_partial",
         keep_surplus: bool = True,
         max_surplus_age: int = 1,
+        oversample: str = "1.0",
+        max_oversample: float = 4.0,
     ) -> None:
         self.num_generations = num_generations
         self.pad_token_id = pad_token_id
@@ -95,6 +101,8 @@ class DynamicSamplingBuffer:
         self.on_limit = on_limit
         self.keep_surplus = keep_surplus
         self.max_surplus_age = max_surplus_age
+        self.oversample = oversample
+        self.max_oversample = max_oversample
         self.surplus: RolloutBatch | None = None
         self.surplus_birth = torch.zeros(0, dtype=torch.long)
         self.qualified_weight, self.generated_weight = 0.0, 0.0
@@ -108,6 +116,13 @@ class DynamicSamplingBuffer:
     def num_surplus_groups(self) -> int:
         return int(self.surplus_birth.numel())
 
+    def plan_round(self, missing: int, target_groups: int, round_index: int, group_multiple: int) -> int:
+        """Groups the next round generates: the first round at least the whole dataloader batch (`target_groups`),
+        every round at most `max_oversample` generation batches."""
+        cap = max(math.ceil(self.max_oversample * target_groups), target_groups)
+        minimum = target_groups if round_index == 0 else 0
+        return plan_round_groups(missing, self.efficiency, self.oversample, cap, group_multiple, minimum)
+
     def _group_rows(self, groups: torch.Tensor) -> torch.Tensor:
         return (groups.unsqueeze(1) * self.num_generations + torch.arange(self.num_generations)).flatten()
 
@@ -115,11 +130,22 @@ class DynamicSamplingBuffer:
         return select_rows(batch, self._group_rows(groups).to(batch["completion_ids"].device))
 
     def fill(
-        self, target_groups: int, generate_round: GenerateRound, step: int, group_multiple: int = 1
+        self,
+        target_groups: int,
+        generate_round: GenerateRound,
+        step: int,
+        group_multiple: int = 1,
+        dataset_prompts: int | None = None,
+        report: RoundReport | None = None,
     ) -> tuple[RolloutBatch, SamplingStats]:
-        """Return `target_groups` informative groups (surplus first, then candidate rounds in order) and the stats.
+        """Return up to `target_groups` informative groups (surplus first, then candidate rounds in order) and the
+        stats.
 
         `group_multiple`: the returned group count is a multiple of it (so the rows share equally over ranks).
+        `dataset_prompts`: the training set's size; with unlimited rounds, that many uninformative groups in a row
+        (a full pass over the data) stop the search with an error instead of looping forever.
+        At the round limit with `on_limit="train_on_partial"` the batch may be short, or empty when nothing qualified:
+        the caller then skips the optimizer step.
         """
         stats = SamplingStats()
         parts: list[RolloutBatch] = []
@@ -134,22 +160,18 @@ class DynamicSamplingBuffer:
             stats.surplus_used = int(kept.numel())
         self.surplus, self.surplus_birth = None, torch.zeros(0, dtype=torch.long)
 
-        have = stats.surplus_used
+        have, uninformative_run, candidates = stats.surplus_used, 0, None
         while have < target_groups:
             if self.max_num_gen_batches and stats.gen_batches >= self.max_num_gen_batches:
                 break
-            candidates, metric = generate_round(target_groups - have)
-            groups = num_rows(candidates) // self.num_generations
-            outcomes = group_outcomes(metric.cpu(), self.num_generations)
-            keep = filter_groups(metric.cpu(), self.num_generations).nonzero().flatten()
-            stats.gen_batches += 1
-            stats.generated_groups += groups
-            stats.qualified_groups += outcomes["qualified"]
-            stats.filtered_all_correct += outcomes["all_correct"]
-            stats.filtered_all_wrong += outcomes["all_wrong"]
-            stats.solved_prompts += solve_rate(metric.cpu(), self.num_generations) * groups
-            self.qualified_weight = EFFICIENCY_DECAY * self.qualified_weight + outcomes["qualified"]
-            self.generated_weight = EFFICIENCY_DECAY * self.generated_weight + groups
+            if not self.max_num_gen_batches and dataset_prompts is not None and uninformative_run >= dataset_prompts:
+                raise DynamicSamplingLimitError(self._full_pass_message(stats, dataset_prompts))
+            groups = self.plan_round(target_groups - have, target_groups, stats.gen_batches, group_multiple)
+            if report is not None and stats.gen_batches:
+                report(stats.gen_batches, groups, have, target_groups)
+            candidates, metric = generate_round(groups, stats.gen_batches)
+            keep = self._record_round(stats, candidates, metric.cpu())
+            uninformative_run = 0 if keep.numel() else uninformative_run + num_rows(candidates) // self.num_generations
             if keep.numel():
                 parts.append(self._select_groups(candidates, keep))
                 births.append(torch.full((keep.numel(),), step, dtype=torch.long))
@@ -159,9 +181,9 @@ class DynamicSamplingBuffer:
         if take < target_groups:
             stats.partial = True
             take -= take % group_multiple
-            if self.on_limit == "raise" or take == 0:
+            if self.on_limit == "raise":
                 raise DynamicSamplingLimitError(self._limit_message(stats, have, target_groups))
-        accepted = concat_rollouts(parts, self.pad_token_id) if parts else None
+        accepted = concat_rollouts(parts, self.pad_token_id) if parts else candidates
         birth = torch.cat(births) if births else torch.zeros(0, dtype=torch.long)
         rest = torch.arange(take, have)
         if rest.numel() and (self.keep_surplus or stats.partial):
@@ -171,26 +193,57 @@ class DynamicSamplingBuffer:
         stats.surplus_groups = self.num_surplus_groups
         return self._select_groups(accepted, torch.arange(take)), stats
 
+    def _record_round(self, stats: SamplingStats, candidates: RolloutBatch, metric: torch.Tensor) -> torch.Tensor:
+        """Count one round in the stats and the running efficiency; return the indices of its informative groups."""
+        groups = num_rows(candidates) // self.num_generations
+        outcomes = group_outcomes(metric, self.num_generations)
+        stats.gen_batches += 1
+        stats.generated_groups += groups
+        stats.qualified_groups += outcomes["qualified"]
+        stats.filtered_all_correct += outcomes["all_correct"]
+        stats.filtered_all_wrong += outcomes["all_wrong"]
+        stats.solved_prompts += solve_rate(metric, self.num_generations) * groups
+        self.qualified_weight = EFFICIENCY_DECAY * self.qualified_weight + outcomes["qualified"]
+        self.generated_weight = EFFICIENCY_DECAY * self.generated_weight + groups
+        return filter_groups(metric, self.num_generations).nonzero().flatten()
+
+    def _found(self, stats: SamplingStats) -> str:
+        return (
+            f"{stats.qualified_groups} of {stats.generated_groups} generated groups had varied rewards; filtered "
+            f"all-correct: {stats.filtered_all_correct}, all-wrong: {stats.filtered_all_wrong}"
+        )
+
     def _limit_message(self, stats: SamplingStats, have: int, target: int) -> str:
         return (
             f"Dynamic sampling ran {stats.gen_batches} candidate generation rounds (max_num_gen_batches="
             f"{self.max_num_gen_batches}) and found {have} of the {target} informative groups this batch needs "
-            f"({stats.qualified_groups} of {stats.generated_groups} generated groups had varied rewards; filtered "
-            f"all-correct: {stats.filtered_all_correct}, all-wrong: {stats.filtered_all_wrong}). Raise "
-            "max_num_gen_batches (0 = unlimited), set dynamic_sampling_on_limit='train_on_partial', or use prompts "
-            "whose difficulty suits the model."
+            f"({self._found(stats)}). Set dynamic_sampling_on_limit='train_on_partial' to train on the groups found "
+            "(and skip the step when there are none), raise max_num_gen_batches, or use prompts whose difficulty "
+            "suits the model."
+        )
+
+    def _full_pass_message(self, stats: SamplingStats, dataset_prompts: int) -> str:
+        return (
+            f"Dynamic sampling (max_num_gen_batches=0, unlimited) generated at least {dataset_prompts} groups in a "
+            f"row, as many as train_dataset has prompts, without one informative group ({self._found(stats)}): the "
+            "rewards do not vary within any group (a constant reward, or a policy that always solves or always fails "
+            "every prompt). Check the reward functions, use prompts whose difficulty suits the model, or bound the "
+            "rounds with max_num_gen_batches and dynamic_sampling_on_limit='train_on_partial'."
         )
 
     def state_dict(self) -> dict:
+        """Checkpoint state on the CPU, loadable with `torch.load(weights_only=True)` (tensors, numbers, dicts)."""
+        surplus = None if self.surplus is None else {key: value.cpu() for key, value in self.surplus.items()}
         return {
-            "surplus": self.surplus,
+            "surplus": surplus,
             "surplus_birth": self.surplus_birth,
             "qualified_weight": self.qualified_weight,
             "generated_weight": self.generated_weight,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        self.surplus = state["surplus"]
+    def load_state_dict(self, state: dict, device: torch.device | str = "cpu") -> None:
+        surplus = state["surplus"]
+        self.surplus = None if surplus is None else {key: value.to(device) for key, value in surplus.items()}
         self.surplus_birth = state["surplus_birth"]
         self.qualified_weight = state["qualified_weight"]
         self.generated_weight = state["generated_weight"]

@@ -20,7 +20,9 @@ PADDED_KEYS: dict[str, tuple[str, float | str]] = {
     "tool_mask": ("right", 1),
     "old_per_token_logps": ("right", 0.0),
 }
-ROW_KEYS = ("advantages",)
+# One value (or one row of values) per completion: its advantage, and what the trained-batch metrics read (the
+# per-function rewards, the completion length in model tokens, whether it was cut at max_completion_length).
+ROW_KEYS = ("advantages", "rewards", "completion_lengths", "truncated")
 ROLLOUT_KEYS = (*PADDED_KEYS, *ROW_KEYS)
 
 RolloutBatch = dict[str, torch.Tensor]
@@ -106,9 +108,13 @@ def shard_rows(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
     return trim_padding([select_rows(batch, slice(rank * share, (rank + 1) * share))])[0]
 
 
-def count_loss_tokens(batch: RolloutBatch) -> torch.Tensor:
-    """Active response tokens: the token-mean's denominator for these rows."""
+def loss_mask(batch: RolloutBatch) -> torch.Tensor:
+    """The tokens the loss counts: completion tokens the policy sampled (not padding, not tool or environment output).
+    The one rule for the loss, its token-mean denominator, the logprob checks and every per-token metric."""
     mask = batch["completion_mask"]
-    if "tool_mask" in batch:
-        mask = mask * batch["tool_mask"]
-    return mask.sum()
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+
+
+def count_loss_tokens(batch: RolloutBatch) -> torch.Tensor:
+    """The token-mean's denominator for these rows."""
+    return loss_mask(batch).sum()

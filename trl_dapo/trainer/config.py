@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from transformers import TrainingArguments
+from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 from trl import GRPOConfig
+
+from .grpo_fields import unhonoured_settings
 
 ON_LIMIT_CHOICES = ("raise", "train_on_partial")
 ROLLOUT_ENGINES = ("auto", "paged", "static", "trl")
@@ -15,13 +20,29 @@ def _bad(name: str, value: object, fix: str) -> ValueError:
 
 
 @dataclass
-class DAPOConfig(GRPOConfig):
+class _GenerationBatchCheck(TrainingArguments):
+    """Runs between `TrainingArguments.__post_init__` (which sets up the processes, so the world size is known) and
+    the rest of `GRPOConfig.__post_init__` (which derives `generation_batch_size` and, when it holds no whole number
+    of groups, raises an error naming neither field to change). In `DAPOConfig`'s method resolution order this class
+    sits between `GRPOConfig` and `TrainingArguments`, so GRPOConfig's `super().__post_init__()` lands here."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_whole_groups()
+
+
+@dataclass
+class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     r"""
     Configuration for [`DAPOTrainer`]. Every [`~trl.GRPOConfig`] field is accepted; the ones below are added or take
     the DAPO paper's (arXiv 2503.14476) values instead of TRL's.
 
     Parameters:
         > DAPO defaults of fields inherited from `GRPOConfig`
+
+        bf16 (`bool` or `None`, *optional*, defaults to `None`):
+            `None` turns bf16 on where it can run (a bf16 GPU, XLA, or `use_cpu=True`, as TRL would) and off
+            elsewhere, where TRL's default would refuse to start.
 
         epsilon (`float`, *optional*, defaults to `0.2`):
             Lower clip range ε_low: ratios below `1 - epsilon` stop pushing a negative-advantage token down.
@@ -35,6 +56,12 @@ class DAPOConfig(GRPOConfig):
             micro-batches, all ranks) divided by that global token count. Only `"dapo"` is accepted.
         num_generations (`int`, *optional*, defaults to `16`):
             Samples per prompt (the group size G).
+        per_device_train_batch_size (`int`, *optional*, defaults to `16`):
+            Completions per device and micro-batch: one group of the default 16, so the generation batch holds whole
+            groups on any number of processes. Scale the batch with `gradient_accumulation_steps` (more rows per
+            optimizer step) or `steps_per_generation` (more optimizer steps per generation batch).
+        per_device_eval_batch_size (`int`, *optional*, defaults to `16`):
+            Completions per device and evaluation batch, for the same reason.
         mask_truncated_completions (`bool`, *optional*, defaults to `False`):
             Overlong filtering: truncated completions get no loss. Off, as in the paper's best run, which uses the
             soft overlong punishment below instead.
@@ -56,10 +83,12 @@ class DAPOConfig(GRPOConfig):
             DAPO filters on accuracy rather than on the shaped reward), or `"reward"` for the weighted total.
         max_num_gen_batches (`int`, *optional*, defaults to `10`):
             Most candidate generation rounds per generation batch; `0` means unlimited.
-        dynamic_sampling_on_limit (`str`, *optional*, defaults to `"raise"`):
-            What to do when `max_num_gen_batches` rounds did not yield enough groups: `"raise"` stops with an error
-            that says what was found, `"train_on_partial"` trains on the informative groups found so far (the
-            token-mean then runs over fewer tokens; nothing is padded).
+        dynamic_sampling_on_limit (`str`, *optional*, defaults to `"train_on_partial"`):
+            What to do when `max_num_gen_batches` rounds did not yield enough groups: `"train_on_partial"` trains on
+            the informative groups found so far (the token-mean then runs over fewer tokens; nothing is padded) and,
+            when there are none, skips the optimizer step with a warning and counts it in `dapo/skipped_steps`;
+            `"raise"` stops with an error that says what was found. The reference recipe raises, and that crash is
+            its most reported problem, so training on what was found is the default.
         dynamic_sampling_keep_surplus (`bool`, *optional*, defaults to `True`):
             Keep informative groups beyond the target for the next generation batch instead of discarding them.
         max_surplus_age (`int` or `None`, *optional*, defaults to `None`):
@@ -76,7 +105,8 @@ class DAPOConfig(GRPOConfig):
         overlong_buffer_len (`int` or `None`, *optional*, defaults to `None`):
             Soft overlong punishment buffer L_cache: completions longer than `max_completion_length -
             overlong_buffer_len` get a penalty growing linearly to `-overlong_penalty_factor` at
-            `max_completion_length`. `None` takes 20% of `max_completion_length` (DAPO: 4096 of 20480); `0` disables.
+            `max_completion_length`. `None` takes a fifth of `max_completion_length` (DAPO: 4096 of 20480); `0`
+            disables.
         overlong_penalty_factor (`float`, *optional*, defaults to `1.0`):
             Size of the overlong penalty at `max_completion_length`.
         rollout_engine (`str`, *optional*, defaults to `"auto"`):
@@ -91,6 +121,12 @@ class DAPOConfig(GRPOConfig):
     beta: float = field(default=0.0, metadata={"help": "KL coefficient; DAPO has none."})
     loss_type: str = field(default="dapo", metadata={"help": "Token-level loss; only 'dapo'."})
     num_generations: int | None = field(default=16, metadata={"help": "Samples per prompt (group size)."})
+    per_device_train_batch_size: int = field(
+        default=16, metadata={"help": "Completions per device and micro-batch (one group of 16)."}
+    )
+    per_device_eval_batch_size: int = field(
+        default=16, metadata={"help": "Completions per device and evaluation batch (one group of 16)."}
+    )
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Overlong filtering."})
     vllm_importance_sampling_correction: bool = field(
         default=False, metadata={"help": "Off: vLLM's sampled logprobs are the old policy."}
@@ -103,7 +139,8 @@ class DAPOConfig(GRPOConfig):
     )
     max_num_gen_batches: int = field(default=10, metadata={"help": "Most candidate rounds per batch; 0 = no limit."})
     dynamic_sampling_on_limit: str = field(
-        default="raise", metadata={"help": "At the limit: 'raise' or 'train_on_partial'.", "choices": ON_LIMIT_CHOICES}
+        default="train_on_partial",
+        metadata={"help": "At the limit: 'train_on_partial' or 'raise'.", "choices": ON_LIMIT_CHOICES},
     )
     dynamic_sampling_keep_surplus: bool = field(default=True, metadata={"help": "Keep surplus groups for later."})
     max_surplus_age: int | None = field(
@@ -116,7 +153,7 @@ class DAPOConfig(GRPOConfig):
         default=4.0, metadata={"help": "Cap on a candidate round, in generation batches."}
     )
     overlong_buffer_len: int | None = field(
-        default=None, metadata={"help": "Soft overlong punishment buffer; None = 20% of max_completion_length."}
+        default=None, metadata={"help": "Soft overlong punishment buffer; None = a fifth of max_completion_length."}
     )
     overlong_penalty_factor: float = field(default=1.0, metadata={"help": "Overlong penalty at the max length."})
     rollout_engine: str = field(
@@ -124,7 +161,12 @@ class DAPOConfig(GRPOConfig):
     )
 
     def __post_init__(self) -> None:
+        self._reject_unhonoured_fields()
         self._validate_dapo_fields()
+        if self.bf16 is None and not self.fp16:
+            # TRL turns bf16 on by default, and TrainingArguments then refuses to start where bf16 cannot run (a
+            # machine without a bf16 GPU, unless use_cpu=True): turn it on only where it can run.
+            self.bf16 = self.use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available()
         super().__post_init__()
         if self.steps_per_generation % self.gradient_accumulation_steps != 0:
             raise _bad(
@@ -144,6 +186,48 @@ class DAPOConfig(GRPOConfig):
                 f"use 0 (off) or a value below max_completion_length ({self.max_completion_length}).",
             )
 
+    def _reject_unhonoured_fields(self) -> None:
+        """A GRPOConfig field DAPOTrainer does not honour, set away from its default, would be silently ignored."""
+        for name, value, default, reason in unhonoured_settings(self):
+            raise _bad(name, value, f"{reason}; leave it at its default {default!r}.")
+
+    def _check_whole_groups(self) -> None:
+        """Each generation batch (and each evaluation batch) must hold whole groups of `num_generations`: say which
+        field to change, with values that work on this number of processes."""
+        groups, world = self.num_generations, self.world_size
+        step_rows = self.per_device_train_batch_size * world
+        if self.generation_batch_size is not None and self.steps_per_generation is None:
+            if self.generation_batch_size % groups:
+                raise _bad(
+                    "generation_batch_size",
+                    self.generation_batch_size,
+                    f"use a multiple of num_generations ({groups}).",
+                )
+        else:
+            steps = self.steps_per_generation or self.gradient_accumulation_steps
+            if step_rows * steps % groups:
+                rows_multiple = groups // math.gcd(groups, world * steps)
+                steps_multiple = math.lcm(self.gradient_accumulation_steps, groups // math.gcd(groups, step_rows))
+                raise _bad(
+                    "per_device_train_batch_size",
+                    self.per_device_train_batch_size,
+                    f"a generation batch holds per_device_train_batch_size ({self.per_device_train_batch_size}) x "
+                    f"processes ({world}) x steps_per_generation ({steps}) = {step_rows * steps} completions, not "
+                    f"whole groups of num_generations={groups}. Set per_device_train_batch_size to a multiple of "
+                    f"{rows_multiple} (the default 16 always works with num_generations=16), or steps_per_generation "
+                    f"to a multiple of {steps_multiple}, or num_generations to a divisor of {step_rows * steps}.",
+                )
+        eval_groups = self.num_generations_eval or groups
+        eval_rows = self.per_device_eval_batch_size * world
+        if self.do_eval and self.eval_strategy != "no" and eval_rows % eval_groups:
+            raise _bad(
+                "per_device_eval_batch_size",
+                self.per_device_eval_batch_size,
+                f"an evaluation batch holds per_device_eval_batch_size x processes ({world}) = {eval_rows} "
+                f"completions, not whole groups of {eval_groups} (num_generations_eval, else num_generations); use a "
+                f"multiple of {eval_groups // math.gcd(eval_groups, world)}.",
+            )
+
     def _validate_dapo_fields(self) -> None:
         """Reject settings that would silently stop this from being DAPO, naming the field and the fix."""
         if self.epsilon < 0 or self.epsilon >= 1:
@@ -160,27 +244,8 @@ class DAPOConfig(GRPOConfig):
             )
         if self.num_generations is None or self.num_generations < 2:
             raise _bad("num_generations", self.num_generations, "group advantages need at least 2 samples per prompt.")
-        if self.loss_type != "dapo":
-            raise _bad(
-                "loss_type", self.loss_type, "DAPOTrainer uses the token-level loss; set loss_type='dapo' or use TRL."
-            )
-        if self.beta != 0.0:
-            raise _bad("beta", self.beta, "DAPO has no KL term; set beta=0.0 (use trl.GRPOTrainer for a KL penalty).")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
             raise _bad("clip_ratio_c", self.clip_ratio_c, "the dual-clip bound must exceed 1 (DAPO: 10.0) or be None.")
-        if self.importance_sampling_level != "token":
-            raise _bad(
-                "importance_sampling_level", self.importance_sampling_level, "DAPO clips per token; use 'token'."
-            )
-        for name, neutral in (
-            ("top_entropy_quantile", 1.0),
-            ("entropy_coef", 0.0),
-            ("off_policy_mask_threshold", None),
-        ):
-            if getattr(self, name) != neutral:
-                raise _bad(name, getattr(self, name), f"not part of DAPO; leave it at {neutral!r}.")
-        if self.use_adaptive_entropy:
-            raise _bad("use_adaptive_entropy", True, "not part of DAPO; leave it False.")
         if self.max_num_gen_batches < 0:
             raise _bad("max_num_gen_batches", self.max_num_gen_batches, "use 0 (unlimited) or a positive count.")
         if self.dynamic_sampling_on_limit not in ON_LIMIT_CHOICES:
@@ -192,6 +257,14 @@ class DAPOConfig(GRPOConfig):
                 "scale_rewards",
                 self.scale_rewards,
                 "with dynamic sampling the advantage of a kept group must not depend on dropped groups; use 'group'.",
+            )
+        if self.dynamic_sampling and self.multi_objective_aggregation != "sum_then_normalize":
+            raise _bad(
+                "multi_objective_aggregation",
+                self.multi_objective_aggregation,
+                "it whitens the summed rewards over the whole candidate round, groups that dynamic sampling drops "
+                "included, so a kept group's advantage would depend on them; use 'sum_then_normalize' (the "
+                "reference recipe's) or dynamic_sampling=False.",
             )
         self.dynamic_sampling_oversample = self._parse_oversample(self.dynamic_sampling_oversample)
         if self.dynamic_sampling_max_oversample < 1.0:

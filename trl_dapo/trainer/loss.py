@@ -1,6 +1,7 @@
 """The DAPO policy loss (arXiv 2503.14476, Eq. 8), as a pure function.
 
     r_t   = π_θ(o_t) / π_rollout(o_t)                          importance ratio against the rollout policy
+                                                               (1 on tokens outside the mask, whatever they hold)
     ℓ_t   = -min(r_t·A, clip(r_t, 1-ε_low, 1+ε_high)·A)         Clip-Higher (ε_high > ε_low)
     ℓ_t   = min(ℓ_t, -c·A)            where A < 0                dual clip of the reference recipe (c = clip_ratio_c)
     loss  = Σ_{active t} ℓ_t / num_tokens                       token-level mean over the whole optimizer step
@@ -38,7 +39,10 @@ def dapo_policy_loss(
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     mask = completion_mask.to(per_token_logps.dtype)
-    log_ratio = (per_token_logps - old_per_token_logps).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    # Masked before anything is summed, as the reference recipe does: a NaN or inf logprob on a token that does not
+    # count (padding, tool output) must not reach the loss, its gradient or the metrics.
+    log_ratio = torch.where(completion_mask.bool(), per_token_logps - old_per_token_logps, 0.0)
+    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
     per_token_loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio)

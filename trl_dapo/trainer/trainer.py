@@ -2,7 +2,8 @@
 sampling.
 
 Hooks overridden, and why:
-- `_calculate_rewards`: check the rewards and keep the raw per-function values the group filter needs.
+- `_calculate_rewards`: check the rewards and hand the raw per-function values (with each completion's length and
+  truncation) to the group filter and the trained-batch metrics.
 - `_generate_and_score_completions`: wraps TRL's (never copies it): one call per candidate round, rollout logprobs
   recorded, the global view filtered by the dynamic-sampling buffer, whole groups re-sharded to the ranks.
 - `_generate_single_turn`: routes training generation to the static-cache engine when it applies.
@@ -14,13 +15,18 @@ Hooks overridden, and why:
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from accelerate.utils import gather_object
+from datasets import IterableDataset
+from tqdm.auto import tqdm
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
@@ -29,23 +35,40 @@ from trl.trainer.utils import shuffle_sequence_dict
 from ..integrity import RolloutIntegrityError, check_completions, check_groups, check_rewards
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
 from ..rollout import sampling_settings, select_rollout_engine
-from ..sampling import DynamicSamplingBuffer, PromptStream, SamplingStats, plan_round_groups
+from ..sampling import DynamicSamplingBuffer, SamplingStats, make_prompt_stream
 from ..sampling.rollout_batch import (
-    ROLLOUT_KEYS,
+    PADDED_KEYS,
+    ROW_KEYS,
     RolloutBatch,
     count_loss_tokens,
     gather_rollout,
+    loss_mask,
     num_rows,
     select_rows,
     shard_rows,
     trim_padding,
 )
+from .batch_metrics import trained_batch_metric_names, trained_batch_metrics
 from .config import DAPOConfig
+from .handoff import HandOff
 from .loss import dapo_policy_loss
 
+logger = logging.getLogger(__name__)
+
 SAMPLING_STATE_FILE = "dapo_sampling_state.pt"
+# The micro-batch key holding the loss-token count of its whole optimizer step (all micro-batches, all ranks).
+STEP_TOKENS = "step_loss_tokens"
 # Keys TRL may return that carry nothing DAPO needs once the rollout logprobs are recorded.
 DROPPED_KEYS = ("num_items_in_batch", "sampling_per_token_logps", "importance_sampling_ratio")
+
+
+@dataclass
+class RoundScores:
+    """What `_calculate_rewards` knows of a candidate round and TRL's output drops, for every rank's rows."""
+
+    rewards: torch.Tensor  # (rows, reward functions), NaN where a function does not apply
+    completion_lengths: torch.Tensor  # tokens per completion
+    truncated: torch.Tensor  # cut at max_completion_length: the last token is neither EOS nor padding (TRL's rule)
 
 
 class DAPOTrainer(GRPOTrainer):
@@ -63,15 +86,22 @@ class DAPOTrainer(GRPOTrainer):
             args = DAPOConfig(output_dir=f"{str(name).split('/')[-1]}-DAPO")
         if not isinstance(args, DAPOConfig):
             raise TypeError(f"DAPOTrainer needs args=DAPOConfig(...), got {type(args).__name__}.")
+        # TRL replaces hub ids by loaded models inside these lists: hand it copies, never the caller's own.
+        if isinstance(reward_funcs, list):
+            reward_funcs = list(reward_funcs)
+        if isinstance(kwargs.get("reward_processing_classes"), list):
+            kwargs["reward_processing_classes"] = list(kwargs["reward_processing_classes"])
         super().__init__(model, reward_funcs, args, **kwargs)
         self.num_task_rewards = len(self.reward_funcs)
         if args.overlong_buffer_len > 0:
-            self.reward_funcs.append(
-                OverlongPenalty(args.max_completion_length, args.overlong_buffer_len, args.overlong_penalty_factor)
+            penalty = OverlongPenalty(
+                args.max_completion_length, args.overlong_buffer_len, args.overlong_penalty_factor
             )
-            self.reward_func_names.append(OVERLONG_REWARD_NAME)
-            self.reward_processing_classes.append(None)
+            self.reward_funcs = [*self.reward_funcs, penalty]
+            self.reward_func_names = [*self.reward_func_names, OVERLONG_REWARD_NAME]
+            self.reward_processing_classes = [*self.reward_processing_classes, None]
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])
+        self._check_datasets()
         self.filter_column = self._resolve_filter_column(args.dynamic_sampling_metric)
         self.sampling_buffer = DynamicSamplingBuffer(
             num_generations=self.num_generations,
@@ -80,23 +110,51 @@ class DAPOTrainer(GRPOTrainer):
             on_limit=args.dynamic_sampling_on_limit,
             keep_surplus=args.dynamic_sampling_keep_surplus,
             max_surplus_age=args.max_surplus_age,
+            oversample=args.dynamic_sampling_oversample,
+            max_oversample=args.dynamic_sampling_max_oversample,
         )
-        self.prompt_stream = self._make_prompt_stream(args)
+        self.prompt_stream = (
+            make_prompt_stream(self.train_dataset, seed=args.seed + 1, shuffle=self.shuffle_dataset)
+            if args.dynamic_sampling
+            else None
+        )
         self.rollout_engine = select_rollout_engine(self)
         self._engine_weights_step: int | None = None
-        self._engine_logprobs: torch.Tensor | None = None
-        self._last_rewards_per_func: torch.Tensor | None = None
+        self._engine_logprobs: HandOff[torch.Tensor] = HandOff("engine logprobs")
+        self._round_scores: HandOff[RoundScores] = HandOff("round scores")
+        self._trained_batch_metric_names = trained_batch_metric_names(self.reward_func_names)
+        self._skipped_steps = 0
 
-    def _make_prompt_stream(self, args: DAPOConfig) -> PromptStream | None:
-        """Extra candidate rounds draw prompts by index, which a streaming dataset cannot give."""
-        if not args.dynamic_sampling:
-            return None
-        if not hasattr(self.train_dataset, "__len__"):
+    def _check_datasets(self) -> None:
+        """Fail at construction, not at the first step: prompts must be there, and enough for one generation batch
+        (the sampler yields whole generation batches only, so a smaller set would train 0 steps)."""
+        named = {"train_dataset": self.train_dataset}
+        if isinstance(self.eval_dataset, dict):
+            named.update({f"eval_dataset[{key!r}]": value for key, value in self.eval_dataset.items()})
+        elif self.eval_dataset is not None:
+            named["eval_dataset"] = self.eval_dataset
+        if self.environment_factories is None:  # an environment supplies the prompts otherwise
+            for name, dataset in named.items():
+                columns = _column_names(dataset)
+                if columns is not None and "prompt" not in columns:
+                    raise ValueError(
+                        f"{name} has no 'prompt' column (columns: {columns}); DAPOTrainer, like GRPOTrainer, reads "
+                        "each prompt from it: rename the column holding the prompts to 'prompt'."
+                    )
+        if self.train_dataset is None:
+            return
+        args, dataset = self.args, self.train_dataset
+        needed = args.generation_batch_size // self.num_generations
+        size = len(dataset) if hasattr(dataset, "__len__") else sum(1 for _ in itertools.islice(dataset, needed))
+        if size < needed:
             raise ValueError(
-                "train_dataset: dynamic sampling draws extra prompts by index, which an IterableDataset cannot "
-                "provide; pass a map-style Dataset or set DAPOConfig.dynamic_sampling=False."
+                f"train_dataset has {size} prompts, fewer than one generation batch takes: {needed} prompts = "
+                f"generation_batch_size ({args.generation_batch_size} completions = per_device_train_batch_size "
+                f"{args.per_device_train_batch_size} x {self.accelerator.num_processes} processes x "
+                f"steps_per_generation {args.steps_per_generation}) / num_generations ({self.num_generations}). The "
+                "sampler yields whole generation batches only, so training would run 0 steps: use more prompts, or "
+                "lower per_device_train_batch_size, steps_per_generation or the number of processes."
             )
-        return PromptStream(len(self.train_dataset), seed=args.seed + 1, shuffle=self.shuffle_dataset)
 
     def _resolve_filter_column(self, metric: str | None) -> int | None:
         """Column of the per-function rewards the filter reads; `None` means the weighted total."""
@@ -122,8 +180,9 @@ class DAPOTrainer(GRPOTrainer):
             self.rollout_engine.sync_weights(self.accelerator.unwrap_model(self.model))
             self._engine_weights_step = self.state.global_step
         output = self.rollout_engine.generate(prompt_ids, sampling_settings(self.args))
-        completions, self._engine_logprobs = output[0], output[1]
+        completions, logprobs = output[0], output[1]
         # The logprobs stay on the device for `_rollout_logprobs`: as Python lists TRL would rebuild them row by row.
+        self._engine_logprobs.put(logprobs)
         return completions, None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -133,75 +192,101 @@ class DAPOTrainer(GRPOTrainer):
         check_rewards(
             rewards_per_func[:, task], len(prompts) * self.accelerator.num_processes, self.reward_func_names[task]
         )
-        self._last_rewards_per_func = rewards_per_func
+        if self.model.training:  # evaluation batches stay TRL's own
+            self._round_scores.put(self._scores_of_round(rewards_per_func, completion_ids_list))
         return rewards_per_func
+
+    def _scores_of_round(self, rewards_per_func: torch.Tensor, completion_ids_list: list[list[int]]) -> RoundScores:
+        ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}
+        local = torch.tensor(
+            [[len(ids), bool(ids) and ids[-1] not in ends] for ids in completion_ids_list],
+            device=rewards_per_func.device,
+        )
+        lengths, truncated = self.accelerator.gather(local).unbind(dim=1)
+        return RoundScores(rewards_per_func, lengths, truncated.bool())
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
         if not self.model.training:
             return super()._generate_and_score_completions(inputs)
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         if not self.args.dynamic_sampling:
-            batch, _ = self._rollout_round(inputs)
+            batch, _ = self._rollout_round(inputs, trained_as_generated=True)
             return shard_rows(batch, rank, world)
 
-        dataloader_rows = [inputs]
-        base_groups = self.args.generation_batch_size // self.num_generations
-        group_multiple = world // math.gcd(self.num_generations, world)
-        cap = math.ceil(self.args.dynamic_sampling_max_oversample * base_groups)
-
-        def generate_round(missing: int) -> tuple[RolloutBatch, torch.Tensor]:
-            first = bool(dataloader_rows)
-            groups = plan_round_groups(
-                missing,
-                self.sampling_buffer.efficiency,
-                self.args.dynamic_sampling_oversample,
-                cap=max(cap, base_groups),
-                multiple=group_multiple,
-                minimum=base_groups if first else 0,
-            )
-            rows = gather_object(dataloader_rows.pop()) if first else []
+        def generate_round(groups: int, round_index: int) -> tuple[RolloutBatch, torch.Tensor]:
+            rows = gather_object(inputs) if round_index == 0 else []  # the first round is the dataloader's batch
             rows += self._stream_rows(groups - len(rows) // self.num_generations)
             share = len(rows) // world
-            return self._rollout_round(rows[rank * share : (rank + 1) * share])
+            return self._rollout_round(rows[rank * share : (rank + 1) * share], trained_as_generated=False)
 
-        batch, stats = self.sampling_buffer.fill(
-            base_groups, generate_round, step=self.state.global_step, group_multiple=group_multiple
-        )
+        with _RoundProgress(enabled=self.accelerator.is_main_process and not self.args.disable_tqdm) as progress:
+            batch, stats = self.sampling_buffer.fill(
+                self.args.generation_batch_size // self.num_generations,
+                generate_round,
+                step=self.state.global_step,
+                group_multiple=world // math.gcd(self.num_generations, world),
+                dataset_prompts=self.prompt_stream.num_prompts,
+                report=progress,
+            )
         self._log_sampling(stats)
+        if num_rows(batch):
+            self._log_trained_batch(batch)
         return shard_rows(batch, rank, world)
 
     def _stream_rows(self, groups: int) -> list[dict[str, Any]]:
         """Rows (each prompt repeated `num_generations` times) of the next `groups` prompts of the extra stream."""
         if groups <= 0:
             return []
-        indices = self.prompt_stream.take(groups)
-        return [self.train_dataset[i] for i in indices for _ in range(self.num_generations)]
+        return [row for row in self.prompt_stream.take(groups) for _ in range(self.num_generations)]
 
-    def _rollout_round(self, local_inputs: list[dict[str, Any]]) -> tuple[RolloutBatch, torch.Tensor]:
-        """Generate and score one candidate round with TRL; return the checked global batch and its filter metric."""
+    def _rollout_round(
+        self, local_inputs: list[dict[str, Any]], trained_as_generated: bool
+    ) -> tuple[RolloutBatch, torch.Tensor]:
+        """Generate and score one candidate round with TRL; return the checked global batch and its filter metric.
+
+        Unless the round is trained as generated (no dynamic sampling), TRL's completion and reward metrics of the
+        round are removed: they would describe candidates, and `_log_trained_batch` logs the accepted groups'.
+        """
+        marks = None if trained_as_generated else self._metric_marks()
         output = super()._generate_and_score_completions(local_inputs)
-        unknown = set(output) - set(ROLLOUT_KEYS) - set(DROPPED_KEYS)
+        scores = self._round_scores.take()
+        if marks is not None:
+            self._drop_metrics_since(marks)
+        unknown = set(output) - set(PADDED_KEYS) - set(ROW_KEYS) - set(DROPPED_KEYS)
         if unknown:
             raise NotImplementedError(
                 f"DAPOTrainer handles text rollouts; TRL returned {sorted(unknown)} (multimodal inputs are not "
                 "supported yet)."
             )
-        output["old_per_token_logps"] = self._rollout_logprobs(output)
-        local = {key: output[key] for key in ROLLOUT_KEYS if key in output}
+        local = {key: output[key] for key in (*PADDED_KEYS, "advantages") if key in output}
+        local["old_per_token_logps"] = self._rollout_logprobs(output)
         batch = gather_rollout(local, self.accelerator, self._tokenizer.pad_token_id)
         check_groups(batch["prompt_ids"], batch["prompt_mask"], self.num_generations)
-        check_completions(batch["completion_ids"], batch["completion_mask"], batch["old_per_token_logps"])
-        rewards = self._last_rewards_per_func
-        if rewards.size(0) != num_rows(batch):
+        counted = loss_mask(batch).bool()
+        check_completions(batch["completion_ids"], batch["completion_mask"], batch["old_per_token_logps"], counted)
+        if scores.rewards.size(0) != num_rows(batch):
             raise RolloutIntegrityError(
-                f"rewards: {rewards.size(0)} rows for {num_rows(batch)} completions; each completion needs one reward."
+                f"rewards: {scores.rewards.size(0)} rows for {num_rows(batch)} completions; each completion needs one "
+                "reward."
             )
-        self._log_rollout(batch, rewards)
+        # tokens outside the loss may hold anything (vLLM gives NaN for what it did not score): zero them once here
+        batch["old_per_token_logps"] = torch.where(counted, batch["old_per_token_logps"], 0.0)
+        batch["rewards"], batch["truncated"] = scores.rewards, scores.truncated
+        batch["completion_lengths"] = self._model_token_counts(batch, scores.completion_lengths)
+        self._log_rollout(batch)
         if self.filter_column is None:
-            metric = (rewards * self.reward_weights.to(rewards.device)).nansum(dim=1)
+            metric = (scores.rewards * self.reward_weights.to(scores.rewards.device)).nansum(dim=1)
         else:
-            metric = rewards[:, self.filter_column]
+            metric = scores.rewards[:, self.filter_column]
         return batch, metric
+
+    @staticmethod
+    def _model_token_counts(batch: RolloutBatch, lengths: torch.Tensor) -> torch.Tensor:
+        """Completion lengths as TRL logs them: with tool calls, only the tokens the model wrote."""
+        if "tool_mask" not in batch:
+            return lengths
+        positions = torch.arange(batch["tool_mask"].size(1), device=lengths.device)
+        return ((positions < lengths.unsqueeze(1)) & batch["tool_mask"].bool()).sum(dim=1)
 
     def _rollout_logprobs(self, output: dict[str, Any]) -> torch.Tensor:
         """Logprobs of the sampled tokens under the policy that sampled them: the old policy of every later ratio.
@@ -209,8 +294,8 @@ class DAPOTrainer(GRPOTrainer):
         From the generation engine when it returns them (vLLM, the static engine); otherwise one no-grad forward
         pass now, before any optimizer step changes the weights.
         """
-        if self._engine_logprobs is not None:
-            logprobs, self._engine_logprobs = self._engine_logprobs, None
+        logprobs = self._engine_logprobs.take_if_any()
+        if logprobs is not None:
             width = output["completion_ids"].size(1)
             return F.pad(logprobs[:, :width], (0, max(0, width - logprobs.size(1))))
         if "sampling_per_token_logps" in output:
@@ -229,19 +314,38 @@ class DAPOTrainer(GRPOTrainer):
             )
         return logps
 
-    def _log_rollout(self, batch: RolloutBatch, rewards: torch.Tensor) -> None:
+    # ------------------------------------------------------------------------------------------------- metrics
+
+    def _metric_marks(self) -> dict[str, int]:
+        """How many values each of TRL's completion and reward metrics holds now."""
+        metrics = self._metrics["train"]
+        return {name: len(metrics[name]) for name in self._trained_batch_metric_names if name in metrics}
+
+    def _drop_metrics_since(self, marks: dict[str, int]) -> None:
+        """Remove the values TRL appended to its completion and reward metrics since `marks`."""
+        metrics = self._metrics["train"]
+        for name in self._trained_batch_metric_names:
+            if name in metrics:
+                del metrics[name][marks.get(name, 0) :]
+                if not metrics[name]:
+                    del metrics[name]
+
+    def _log_rollout(self, batch: RolloutBatch) -> None:
         """Rollout metrics of one candidate round, read back in one host synchronisation."""
-        mask = batch["completion_mask"]
-        lengths = mask.sum(dim=1)
-        last_ids = batch["completion_ids"].gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        ends_with_eos = torch.isin(last_ids, torch.tensor(self.eos_token_ids, device=last_ids.device))
+        mask = loss_mask(batch)
         named = {
-            "rollout_logprobs_mean": (batch["old_per_token_logps"] * mask).sum() / lengths.sum().clamp(min=1),
-            "dapo/truncated_ratio": ((lengths > 0) & ~ends_with_eos).float().mean(),
+            "rollout_logprobs_mean": (batch["old_per_token_logps"] * mask).sum() / mask.sum().clamp(min=1),
+            "dapo/truncated_ratio": batch["truncated"].float().mean(),
         }
         if OVERLONG_REWARD_NAME in self.reward_func_names:
-            named["dapo/overlong_penalty_mean"] = rewards[:, self.reward_func_names.index(OVERLONG_REWARD_NAME)].mean()
+            penalty = batch["rewards"][:, self.reward_func_names.index(OVERLONG_REWARD_NAME)]
+            named["dapo/overlong_penalty_mean"] = penalty.mean()
         self._append_metrics("train", list(named), torch.stack([v.float().to(mask.device) for v in named.values()]))
+
+    def _log_trained_batch(self, batch: RolloutBatch) -> None:
+        """TRL's completion and reward metrics, for the accepted groups of this generation batch."""
+        metrics = trained_batch_metrics(batch, self.reward_weights, self.reward_func_names, self.num_generations)
+        self._append_metrics("train", list(metrics), torch.stack([value.float() for value in metrics.values()]))
 
     def _append_metrics(self, mode: str, names: list[str], values: torch.Tensor) -> None:
         """Log device scalars with one host synchronisation (each `.item()` would be one)."""
@@ -264,36 +368,63 @@ class DAPOTrainer(GRPOTrainer):
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _split_into_micro_batches(self, batch: RolloutBatch) -> list[RolloutBatch]:
-        """Cut the local generation batch into `steps_per_generation` micro-batches (sizes may differ by one row when
-        dynamic sampling trained on a partial batch) and attach to each the global token count of its optimizer step.
+        """Cut the local generation batch into `steps_per_generation` micro-batches and attach to each the global
+        token count of its optimizer step.
+
+        Sizes differ by one row at most, unless dynamic sampling trained on a partial batch with fewer rows than
+        micro-batches: then some are empty. Within an optimizer step the empty ones come first, so its last
+        micro-batch, whose backward pass synchronises gradients across ranks, has rows; a step with no rows at all
+        is skipped (no gradient, so the optimizer leaves parameters and state alone) and counted.
         """
-        steps = self.args.steps_per_generation
-        rows = num_rows(batch)
-        if rows < steps:
-            raise ValueError(
-                f"Only {rows} rollout rows on this rank for steps_per_generation={steps} micro-batches; with "
-                "dynamic_sampling_on_limit='train_on_partial' too few informative groups were found. Raise "
-                "max_num_gen_batches or lower steps_per_generation."
-            )
+        steps, accumulation = self.args.steps_per_generation, self.args.gradient_accumulation_steps
+        sizes = [len(rows) for rows in torch.arange(num_rows(batch)).tensor_split(steps)]
+        sizes = [
+            size for start in range(0, steps, accumulation) for size in sorted(sizes[start : start + accumulation])
+        ]
+        bounds = list(itertools.accumulate(sizes, initial=0))
         # slices, not index tensors: indexing device tensors with a host index tensor copies it over and waits
-        bounds = [(int(idx[0]), int(idx[-1]) + 1) for idx in torch.arange(rows).tensor_split(steps)]
-        micro_batches = trim_padding([select_rows(batch, slice(start, stop)) for start, stop in bounds])
+        micro_batches = trim_padding([select_rows(batch, slice(a, b)) for a, b in itertools.pairwise(bounds)])
         local_counts = torch.stack([count_loss_tokens(mb) for mb in micro_batches]).float()
         global_counts = self.accelerator.reduce(local_counts, reduction="sum")
-        accumulation = self.args.gradient_accumulation_steps
         step_counts = global_counts.view(-1, accumulation).sum(dim=1).repeat_interleave(accumulation)
         for micro_batch, count in zip(micro_batches, step_counts, strict=True):
-            micro_batch["num_items_in_batch"] = count
+            micro_batch[STEP_TOKENS] = count
+        # each optimizer step of the generation batch runs num_iterations times over the same micro-batches
+        empty_steps = self.num_iterations * sum(
+            not any(sizes[start : start + accumulation]) for start in range(0, steps, accumulation)
+        )
+        if empty_steps and self.accelerator.scaler is not None:
+            raise ValueError(
+                "Dynamic sampling found no informative group for an optimizer step, which is then skipped, but fp16's "
+                "gradient scaler cannot step without gradients. Use bf16, or dynamic_sampling_on_limit='raise'."
+            )
+        if empty_steps:
+            self._skipped_steps += empty_steps
+            logger.warning(
+                "Dynamic sampling found too few informative groups within max_num_gen_batches=%d rounds: %d of the "
+                "%d optimizer steps of this generation batch have no rollout rows and are skipped (parameters and "
+                "optimizer state unchanged; the step counter and learning-rate schedule advance). %d skipped so far, "
+                "logged as dapo/skipped_steps.",
+                self.args.max_num_gen_batches,
+                empty_steps,
+                steps // accumulation * self.num_iterations,
+                self._skipped_steps,
+            )
+        self._metrics["train"]["dapo/skipped_steps"].append(float(self._skipped_steps))
         return micro_batches
 
     # ---------------------------------------------------------------------------------------------------- loss
 
     def _compute_loss(self, model, inputs):
+        if num_rows(inputs) == 0:
+            # No forward pass and no gradient reaching the parameters: an optimizer step made only of empty
+            # micro-batches leaves the parameters and the optimizer state as they were.
+            return torch.zeros((), device=self.accelerator.device, requires_grad=True)
         mode = "train" if self.model.training else "eval"
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        completion_ids = inputs["completion_ids"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
-        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        mask = loss_mask(inputs)
         per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model,
             input_ids,
@@ -305,9 +436,10 @@ class DAPOTrainer(GRPOTrainer):
         old_per_token_logps = inputs.get("old_per_token_logps")
         if old_per_token_logps is None:  # evaluation batches are scored on-policy
             old_per_token_logps = per_token_logps.detach()
+        # An evaluation batch (TRL's) is its own step.
+        step_tokens = inputs[STEP_TOKENS] if mode == "train" else self.accelerator.reduce(mask.sum().float(), "sum")
         # Each rank divides by its share of the step's global count; DDP's gradient average then gives the
         # exact global token-mean.
-        num_tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         loss, stats = dapo_policy_loss(
             per_token_logps,
             old_per_token_logps,
@@ -315,18 +447,21 @@ class DAPOTrainer(GRPOTrainer):
             mask,
             epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high,
-            num_tokens=num_tokens,
+            num_tokens=step_tokens.clamp(min=1.0) / self.accelerator.num_processes,
             clip_ratio_c=self.args.clip_ratio_c,
         )
         if self.aux_loss_enabled:
+            # TRL's router load-balancing term: its micro-batch mean, averaged over the optimizer step's micro-batches
             accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
-        self._log_loss_stats(mode, stats, mask, per_token_logps, old_per_token_logps, entropies)
+        else:
+            aux_loss = None
+        self._log_loss_stats(mode, stats, mask, per_token_logps, old_per_token_logps, entropies, aux_loss)
         return loss
 
-    def _log_loss_stats(self, mode, stats, mask, per_token_logps, old_per_token_logps, entropies) -> None:
-        """Token-weighted means over all ranks (a rank's mean weighs by its token count), and the largest
-        train/rollout logprob gap; masked sums keep it to one host synchronisation per micro-batch."""
+    def _log_loss_stats(self, mode, stats, mask, per_token_logps, old_per_token_logps, entropies, aux_loss) -> None:
+        """Token-weighted means over all ranks (a rank's mean weighs by its token count), TRL's `aux_loss` (the mean
+        over ranks) and the largest train/rollout logprob gap; one host synchronisation per micro-batch."""
         count = stats.pop("num_active_tokens")
         active = mask.to(per_token_logps.dtype)
         per_token_logps = per_token_logps.detach()
@@ -339,11 +474,17 @@ class DAPOTrainer(GRPOTrainer):
             "train_logprobs_mean": active_mean(per_token_logps),
             "entropy": active_mean(entropies.detach()),
         }
-        weighted = torch.stack([value.float() * count for value in named.values()] + [count])
-        totals = self.accelerator.reduce(weighted, reduction="sum")
+        extra = [] if aux_loss is None else [aux_loss.detach().float()]
+        totals = self.accelerator.reduce(
+            torch.stack([value.float() * count for value in named.values()] + [count, *extra]), reduction="sum"
+        )
         gap_max = self.accelerator.reduce(((per_token_logps - old_per_token_logps).abs() * active).max(), "max")
-        values = torch.cat([totals[:-1] / totals[-1].clamp(min=1), gap_max.float().view(1)])
-        self._append_metrics(mode, [*named, "logprob_gap_max"], values)
+        values = [totals[: len(named)] / totals[len(named)].clamp(min=1), gap_max.float().view(1)]
+        names = [*named, "logprob_gap_max"]
+        if aux_loss is not None:
+            values.append(totals[-1:] / self.accelerator.num_processes)
+            names.append("aux_loss")
+        self._append_metrics(mode, names, torch.cat(values))
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
@@ -353,28 +494,59 @@ class DAPOTrainer(GRPOTrainer):
             folder = os.path.join(
                 self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             )
-            torch.save(
-                {
-                    "buffer": _to_cpu(self.sampling_buffer.state_dict()),
-                    "prompt_stream": self.prompt_stream.state_dict() if self.prompt_stream is not None else None,
-                },
-                os.path.join(folder, SAMPLING_STATE_FILE),
-            )
+            state = {
+                "buffer": self.sampling_buffer.state_dict(),
+                "prompt_stream": self.prompt_stream.state_dict() if self.prompt_stream is not None else None,
+                "skipped_steps": self._skipped_steps,
+            }
+            torch.save(state, os.path.join(folder, SAMPLING_STATE_FILE))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         path = os.path.join(checkpoint, SAMPLING_STATE_FILE) if checkpoint else None
         if path and os.path.exists(path):
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            buffer_state = state["buffer"]
-            if buffer_state["surplus"] is not None:
-                device = self.accelerator.device
-                buffer_state["surplus"] = {k: v.to(device) for k, v in buffer_state["surplus"].items()}
-            self.sampling_buffer.load_state_dict(buffer_state)
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            self.sampling_buffer.load_state_dict(state["buffer"], self.accelerator.device)
             if self.prompt_stream is not None and state["prompt_stream"] is not None:
                 self.prompt_stream.load_state_dict(state["prompt_stream"])
+            self._skipped_steps = state["skipped_steps"]
 
 
-def _to_cpu(state: dict) -> dict:
-    surplus = state["surplus"]
-    return {**state, "surplus": None if surplus is None else {k: v.cpu() for k, v in surplus.items()}}
+def _column_names(dataset) -> list[str] | None:
+    """A dataset's columns, from its features or (a stream without known features) its first row."""
+    names = getattr(dataset, "column_names", None)
+    if names is None and isinstance(dataset, IterableDataset):
+        first = next(iter(dataset), None)
+        names = list(first) if isinstance(first, dict) else None
+    return None if names is None else list(names)
+
+
+class _RoundProgress:
+    """Makes every extra candidate round visible: a log line each, and a progress bar of the informative groups
+    found (main process, unless `disable_tqdm`), closed when the generation batch is full."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: tqdm | None = None
+
+    def __call__(self, round_index: int, groups: int, have: int, target: int) -> None:
+        logger.info(
+            "Dynamic sampling round %d: %d of %d informative groups found so far, generating %d candidate groups.",
+            round_index + 1,
+            have,
+            target,
+            groups,
+        )
+        if not self.enabled:
+            return
+        if self.bar is None:
+            self.bar = tqdm(total=target, desc="dynamic sampling", unit="group", leave=False)
+        self.bar.n = have
+        self.bar.set_postfix(round=round_index + 1)
+
+    def __enter__(self) -> _RoundProgress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,297 @@
+"""A GRPO user's scenarios run through DAPOTrainer with DAPOConfig's defaults (16 samples per prompt, dynamic
+sampling on): reward models, several reward functions with weights and None outputs, standard and conversational
+prompts, PEFT, evaluation, a streaming dataset, a mixture-of-experts model's router loss, generation settings and
+resume. Each must train: the loss is logged and the trainable parameters move.
+
+Only what keeps the tests small is set (a short completion, one or two steps, a log line per step), with the
+learning rate TRL's own tests use (the tiny model's gradients are small). The hook signatures DAPOTrainer overrides
+are pinned against the installed TRL, so an upgrade that changes one fails here first.
+"""
+
+import inspect
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_dapo import DAPOConfig, DAPOTrainer
+from trl_dapo.testing import build_tiny_model
+
+PROMPTS = ["Beautiful is better than", "Explicit is", "Simple is better", "Complex", "Flat is better than", "Sparse"]
+
+
+def standard_prompts() -> Dataset:
+    return Dataset.from_dict({"prompt": PROMPTS})
+
+
+def conversational_prompts() -> Dataset:
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": text}] for text in PROMPTS]})
+
+
+def compat_args(output_dir, **overrides) -> DAPOConfig:
+    settings = dict(
+        output_dir=str(output_dir),
+        learning_rate=0.1,
+        max_completion_length=8,
+        max_steps=1,
+        report_to="none",
+        logging_steps=1,
+    )
+    return DAPOConfig(**{**settings, **overrides})
+
+
+def text_length(completions, **kwargs) -> list[float]:
+    return [float(len(completion)) for completion in completions]
+
+
+def unique_characters(completions, **kwargs) -> list[float]:
+    return [float(len(set(completion))) for completion in completions]
+
+
+def train_and_check(trainer: DAPOTrainer) -> DAPOTrainer:
+    """Train; the loss must be logged and every trainable parameter must move (frozen ones must not)."""
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainable = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert trainer.state.global_step == trainer.args.max_steps
+    for name, value in trainer.model.named_parameters():
+        moved = not torch.equal(before[name], value)
+        assert moved == (name in trainable), f"{name}: moved={moved}, trainable={name in trainable}"
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("reward-model"), kind="reward", seed=1)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("moe-model"), kind="moe")
+
+
+def test_a_bare_trainer_builds_with_its_default_config(tiny_model, reward_model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default output_dir is relative
+    trainer = DAPOTrainer(model=tiny_model, reward_funcs=reward_model, train_dataset=standard_prompts())
+    assert (trainer.args.num_generations, trainer.args.generation_batch_size) == (16, 16)
+
+
+@pytest.mark.parametrize("dataset", [standard_prompts, conversational_prompts], ids=["standard", "conversational"])
+def test_reward_model(tiny_model, reward_model, tmp_path, dataset):
+    train_and_check(
+        DAPOTrainer(model=tiny_model, reward_funcs=reward_model, args=compat_args(tmp_path), train_dataset=dataset())
+    )
+
+
+def test_conversational_reward_function(tiny_model, tmp_path):
+    def content_length(completions, **kwargs):
+        return [float(len(completion[0]["content"])) for completion in completions]
+
+    train_and_check(
+        DAPOTrainer(
+            model=tiny_model,
+            reward_funcs=content_length,
+            args=compat_args(tmp_path),
+            train_dataset=conversational_prompts(),
+        )
+    )
+
+
+def test_several_weighted_reward_functions_with_none_outputs_and_an_async_one(tiny_model, tmp_path):
+    def not_applicable(completions, **kwargs):
+        return [None] * len(completions)
+
+    async def async_unique_characters(completions, **kwargs):
+        return unique_characters(completions)
+
+    trainer = train_and_check(
+        DAPOTrainer(
+            model=tiny_model,
+            reward_funcs=[text_length, not_applicable, async_unique_characters],
+            args=compat_args(tmp_path, reward_weights=[0.7, 1.0, 0.3]),
+            train_dataset=standard_prompts(),
+        )
+    )
+    logs = trainer.state.log_history[0]
+    assert logs["rewards/text_length/mean"] > 0 and logs["rewards/async_unique_characters/std"] >= 0
+    assert logs["rewards/not_applicable/mean"] is None  # all NaN, as TRL logs it
+
+
+def test_reward_function_reading_a_dataset_column_and_the_trainer_state(tiny_model, tmp_path):
+    seen_steps = []
+
+    def closer_to_target(completions, target, trainer_state, **kwargs):
+        seen_steps.append(trainer_state.global_step)
+        return [-abs(len(completion) - t) for completion, t in zip(completions, target, strict=True)]
+
+    dataset = standard_prompts().add_column("target", list(range(len(PROMPTS))))
+    train_and_check(
+        DAPOTrainer(model=tiny_model, reward_funcs=closer_to_target, args=compat_args(tmp_path), train_dataset=dataset)
+    )
+    assert seen_steps and set(seen_steps) == {0}
+
+
+def test_peft(tiny_model, tmp_path):
+    train_and_check(  # two steps: LoRA's B starts at zero, so A only gets a gradient from the second step on
+        DAPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(tiny_model),
+            reward_funcs=text_length,
+            args=compat_args(tmp_path, max_steps=2),
+            train_dataset=standard_prompts(),
+            peft_config=LoraConfig(target_modules=["q_proj", "v_proj"]),
+        )
+    )
+
+
+def test_evaluation(tiny_model, tmp_path):
+    trainer = train_and_check(
+        DAPOTrainer(
+            model=tiny_model,
+            reward_funcs=text_length,
+            args=compat_args(tmp_path, eval_strategy="steps", eval_steps=1),
+            train_dataset=standard_prompts(),
+            eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:2]}),
+        )
+    )
+    assert any("eval_loss" in h for h in trainer.state.log_history)
+
+
+def test_streaming_dataset(tiny_model, tmp_path):
+    trainer = train_and_check(
+        DAPOTrainer(
+            model=tiny_model,
+            reward_funcs=text_length,
+            args=compat_args(tmp_path, max_steps=2),
+            train_dataset=standard_prompts().to_iterable_dataset(),
+        )
+    )
+    assert trainer.state.global_step == 2
+
+
+def test_generation_settings(tiny_model, tmp_path):
+    train_and_check(
+        DAPOTrainer(
+            model=tiny_model,
+            reward_funcs=text_length,
+            args=compat_args(
+                tmp_path,
+                top_p=0.9,
+                top_k=10,
+                min_p=0.01,
+                repetition_penalty=1.1,
+                generation_kwargs={"do_sample": True},
+            ),
+            train_dataset=standard_prompts(),
+        )
+    )
+
+
+def test_mixture_of_experts_trains_and_logs_trls_aux_loss(moe_model, tmp_path):
+    trainer = train_and_check(
+        DAPOTrainer(
+            model=moe_model, reward_funcs=text_length, args=compat_args(tmp_path), train_dataset=standard_prompts()
+        )
+    )
+    assert trainer.aux_loss_enabled and trainer.state.log_history[0]["aux_loss"] > 0
+
+
+def test_mixture_of_experts_aux_loss_is_scaled_as_trl_scales_it(moe_model, tmp_path):
+    """With zero advantages both policy losses are 0, so each trainer's loss is its router term alone: DAPO's must
+    be TRL's, coef x aux / gradient accumulation steps, with the same logged aux_loss."""
+    generator = torch.Generator().manual_seed(0)
+    completion_ids = torch.randint(3, 300, (4, 5), generator=generator)
+    inputs = {
+        "prompt_ids": torch.randint(3, 300, (4, 3), generator=generator),
+        "prompt_mask": torch.ones(4, 3, dtype=torch.long),
+        "completion_ids": completion_ids,
+        "completion_mask": torch.ones_like(completion_ids),
+        "advantages": torch.zeros(4),
+        "old_per_token_logps": torch.full((4, 5), -6.0),
+        "num_items_in_batch": torch.tensor(20.0),  # TRL's key
+        "step_loss_tokens": torch.tensor(20.0),  # DAPO's key
+    }
+    settings = dict(max_completion_length=8, report_to="none", use_cpu=True, bf16=False, num_generations=4)
+    losses, aux = {}, {}
+    for kind, trainer_class, config_class in (("dapo", DAPOTrainer, DAPOConfig), ("trl", GRPOTrainer, GRPOConfig)):
+        trainer = trainer_class(
+            model=moe_model,
+            reward_funcs=text_length,
+            args=config_class(output_dir=str(tmp_path / kind), per_device_train_batch_size=4, **settings),
+            train_dataset=standard_prompts(),
+        )
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 2
+        losses[kind] = trainer._compute_loss(trainer.model, inputs).item()
+        aux[kind] = trainer._metrics["train"]["aux_loss"][-1]
+    model = AutoModelForCausalLM.from_pretrained(moe_model)
+    input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+    expected = model(input_ids=input_ids, output_router_logits=True).aux_loss.item()
+    assert aux["dapo"] == pytest.approx(aux["trl"], rel=1e-6) and aux["dapo"] == pytest.approx(expected, rel=1e-5)
+    assert losses["dapo"] == pytest.approx(losses["trl"], rel=1e-6)
+    assert losses["dapo"] == pytest.approx(0.01 * expected / 2, rel=1e-5)
+
+
+class StepCounter(TrainerCallback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+
+def test_resume_continues_where_the_checkpoint_left_off(tiny_model, tmp_path):
+    def trainer(folder):
+        return DAPOTrainer(
+            model=tiny_model,
+            reward_funcs=text_length,
+            args=compat_args(tmp_path / folder, max_steps=2, save_strategy="steps", save_steps=1),
+            train_dataset=standard_prompts(),
+        )
+
+    straight = trainer("straight")
+    straight.train()
+    resumed, counter = trainer("resumed"), StepCounter()
+    resumed.add_callback(counter)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-1"))
+    assert counter.steps == 1 and resumed.state.global_step == 2  # only step 2 ran again
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (straight, resumed)]
+    assert losses[0] == losses[1]
+    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def plain_signature(function) -> str:
+    parameters = inspect.signature(function).parameters.values()
+    return ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in parameters)
+
+
+# The TRL methods DAPOTrainer overrides or calls, as they read in TRL 1.16.
+PINNED_SIGNATURES = {
+    "__init__": "self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, "
+    "processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None), "
+    "quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None",
+    "_generate_single_turn": "self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False",
+    "_calculate_rewards": "self, inputs, prompts, completions, completion_ids_list",
+    "_generate_and_score_completions": "self, inputs",
+    "_prepare_inputs": "self, generation_batch",
+    "_compute_loss": "self, model, inputs",
+    "_save_checkpoint": "self, model, trial",
+    "_load_optimizer_and_scheduler": "self, checkpoint",
+    "_get_per_token_logps_and_entropies": "self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, "
+    "compute_entropy=False, compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, "
+    "pixel_attention_mask=None, spatial_shapes=None, num_tiles=None, image_sizes=None, token_type_ids=None, "
+    "mm_token_type_ids=None, image_position_ids=None",
+}
+
+
+def test_the_trl_hooks_dapo_relies_on_keep_their_signatures():
+    overridden = {
+        name for name, member in vars(DAPOTrainer).items() if callable(member) and hasattr(GRPOTrainer, name)
+    }
+    assert overridden <= set(PINNED_SIGNATURES), f"pin the signature of {overridden - set(PINNED_SIGNATURES)}"
+    for name, expected in PINNED_SIGNATURES.items():
+        assert plain_signature(getattr(GRPOTrainer, name)) == expected, f"GRPOTrainer.{name} changed"

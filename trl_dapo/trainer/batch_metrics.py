@@ -1,0 +1,65 @@
+"""TRL's completion and reward metrics, computed for the batch that is trained rather than for a candidate round.
+
+TRL logs them inside `_generate_and_score_completions`, once per call: with dynamic sampling that is once per
+candidate round, filtered groups included. DAPOTrainer removes those entries and logs these instead, with the same
+names and definitions (TRL 1.16, `sum_then_normalize` aggregation with per-group statistics, the only one dynamic
+sampling allows), over the accepted groups.
+"""
+
+from __future__ import annotations
+
+import torch
+from trl.trainer.utils import nanstd
+
+from ..sampling.rollout_batch import RolloutBatch
+
+COMPLETION_METRICS = (
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "completions/min_terminated_length",
+    "completions/max_terminated_length",
+)
+REWARD_METRICS = ("reward", "reward_std", "frac_reward_zero_std")
+
+
+def trained_batch_metric_names(reward_func_names: list[str]) -> list[str]:
+    per_function = [f"rewards/{name}/{stat}" for name in reward_func_names for stat in ("mean", "std")]
+    return [*COMPLETION_METRICS, *per_function, *REWARD_METRICS]
+
+
+def trained_batch_metrics(
+    batch: RolloutBatch, reward_weights: torch.Tensor, reward_func_names: list[str], num_generations: int
+) -> dict[str, torch.Tensor]:
+    """The metrics of `trained_batch_metric_names` for a global batch of whole groups, as device scalars."""
+    lengths = batch["completion_lengths"].float()
+    terminated = ~batch["truncated"]
+    count = terminated.sum()
+    none_terminated = count == 0
+    metrics = {
+        "completions/mean_length": lengths.mean(),
+        "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(),
+        "completions/clipped_ratio": batch["truncated"].float().mean(),
+        # like TRL: 0 when no completion terminated
+        "completions/mean_terminated_length": (lengths * terminated).sum() / count.clamp(min=1),
+        "completions/min_terminated_length": torch.where(
+            none_terminated, 0.0, torch.where(terminated, lengths, torch.inf).min()
+        ),
+        "completions/max_terminated_length": torch.where(
+            none_terminated, 0.0, torch.where(terminated, lengths, -torch.inf).max()
+        ),
+    }
+    rewards_per_func = batch["rewards"]
+    for column, name in enumerate(reward_func_names):
+        metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, column])
+        metrics[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, column])
+    rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device)).nansum(dim=1)
+    rewards = torch.where(torch.isnan(rewards_per_func).all(dim=1), torch.nan, rewards)  # unscorable rows, as TRL
+    group_std = nanstd(rewards.view(-1, num_generations), dim=1)
+    metrics["reward"] = torch.nanmean(rewards)
+    metrics["reward_std"] = nanstd(rewards)
+    metrics["frac_reward_zero_std"] = torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()
+    return metrics
