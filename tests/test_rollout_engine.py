@@ -168,7 +168,7 @@ def test_trainer_uses_engine_logprobs_as_the_old_policy(tiny_model, tmp_path):
 
 
 def test_static_engine_refuses_what_it_cannot_serve(tiny_model, tmp_path):
-    with pytest.raises(ValueError, match="rollout_engine=.paged. cannot be used here: a rollout_func generates"):
+    with pytest.raises(ValueError, match=r"rollout_engine=.paged. cannot be used here: a rollout_func generates"):
         DAPOTrainer(
             model=tiny_model,
             reward_funcs=first_token_parity,
