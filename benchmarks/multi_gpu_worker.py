@@ -1,8 +1,11 @@
-"""One process of `bench_multi_gpu.py`: DAPO optimizer steps on a fixed, rank-independent generation batch.
+"""One process of `bench_multi_gpu.py`: DAPO optimizer steps on a fixed, rank-independent generation batch, or on
+completions the model generates.
 
-Launched by `accelerate launch` with 1 or N processes. The scripted rollout makes the global generation batch the
-same whatever the number of ranks, so the parameter update of N ranks can be compared with 1 rank's. Rank 0 writes
-the update (fp32) and every rank its step times and peak memory.
+Launched by `accelerate launch` with 1 or N processes. With `--generation scripted` the scripted rollout makes the
+global generation batch the same whatever the number of ranks, so the parameter update of N ranks can be compared with
+1 rank's, and rank 0 writes the update (fp32). With `engine` or `trl` the model generates `--new-tokens` tokens per
+completion through the rollout engine or TRL's path, and each rank records its generation time per step. Every rank
+writes its step times and peak memory.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from timing import StepTimer
+from timing import StepTimer, time_methods
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from workload import config_path, prompts, word_tokenizer
 
@@ -34,6 +37,8 @@ def main() -> None:
     parser.add_argument("--rows-per-step", type=int, default=64)
     parser.add_argument("--ga", type=int, default=2)
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--generation", choices=["scripted", "engine", "trl"], default="scripted")
+    parser.add_argument("--new-tokens", type=int, default=8, help="completion length when the model generates")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
@@ -53,6 +58,17 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # fp32 master weights, bf16 autocast
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
 
+    if args.generation == "scripted":
+        rollout = dict(rollout_func=ScriptedRollout(tokenizer, vocab_low=3, vocab_high=min(config.vocab_size, 5000)))
+        generation = {}
+    else:  # every completion exactly --new-tokens long; a constant-length reward would filter every group
+        rollout = {}
+        generation = dict(
+            rollout_engine="static" if args.generation == "engine" else "trl",
+            generation_kwargs={"min_new_tokens": args.new_tokens},
+            dynamic_sampling=False,
+            overlong_buffer_len=0,
+        )
     timer = StepTimer()
     trainer = DAPOTrainer(
         model=model,
@@ -62,7 +78,7 @@ def main() -> None:
             per_device_train_batch_size=args.rows_per_step // world // args.ga,
             gradient_accumulation_steps=args.ga,
             num_generations=8,
-            max_completion_length=8,
+            max_completion_length=args.new_tokens,
             max_steps=args.steps,
             learning_rate=1e-2,
             optim="sgd",
@@ -72,29 +88,37 @@ def main() -> None:
             use_cpu=not cuda,
             gradient_checkpointing=False,
             report_to=[],
+            logging_steps=1,
             save_strategy="no",
             disable_tqdm=True,
             seed=0,
+            **generation,
         ),
         train_dataset=prompts(4 * args.rows_per_step),
         processing_class=tokenizer,
-        rollout_func=ScriptedRollout(tokenizer, vocab_low=3, vocab_high=min(config.vocab_size, 5000)),
         callbacks=[timer],
+        **rollout,
     )
+    sections: dict[str, list[tuple[int, float]]] = {}
+    time_methods(trainer, sections)
     trainer.train()
-    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # gathers ZeRO-3 shards on rank 0
     rank = trainer.accelerator.process_index
     report = {
         "rank": rank,
         "world": world,
         "step_times_s": timer.times,
+        "generation_s": [sum(t for s, t in sections.get("generation", []) if s == step) for step in range(args.steps)],
+        "generated_tokens_per_step": args.rows_per_step // world * args.new_tokens,
+        "rollout_engine": trainer.rollout_engine is not None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "metrics": [h for h in trainer.state.log_history if "loss" in h],
     }
     Path(f"{args.output}.rank{rank}.json").write_text(json.dumps(report))
-    if trainer.accelerator.is_main_process:
-        update = {name: state[name].float().cpu() - before[name] for name in before if name in state}
-        torch.save(update, f"{args.output}.update.pt")
+    if args.generation == "scripted":  # the update the 1-vs-N comparison reads
+        state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # gathers ZeRO-3 shards on rank 0
+        if trainer.accelerator.is_main_process:
+            update = {name: state[name].float().cpu() - before[name] for name in before if name in state}
+            torch.save(update, f"{args.output}.update.pt")
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
     # The DDP reducer holds the process group: destroying the group first left gloo joining stuck threads at exit.

@@ -1,13 +1,19 @@
-"""Shared test helpers: fixed-length prompts, config defaults for the CPU, simple rewards, a free port."""
+"""Shared test helpers: fixed-length prompts, config defaults for the CPU, simple rewards, a free port, worker
+launches."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 from datasets import Dataset
 
 from trl_dapo import DAPOConfig
 
+TESTS = Path(__file__).parent
+CPU_DDP = TESTS.parent / "recipes" / "accelerate" / "cpu_ddp.yaml"
 CPU_ARGS = dict(use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
 
 
@@ -52,3 +58,14 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def launch_worker(script: str, processes: int, model: str, output: Path) -> None:
+    """`accelerate launch` a worker of tests/ on CPU processes (gloo) with the model folder and an output path."""
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP),
+        "--num_processes", str(processes), "--main_process_port", str(free_port()),
+        str(TESTS / script), model, str(output),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=TESTS, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]

@@ -112,3 +112,25 @@ def test_multi_gpu_bench_on_cpu_processes_matches_one_rank(tmp_path):
     assert row["processes"] == 2
     assert row["update_relative_difference"] < 1e-5  # 2 ranks make the 1-rank update, two steps running
     assert math.isfinite(row["speedup"]) and row["speedup"] > 0
+
+
+def test_multi_gpu_rollout_bench_on_cpu_processes(tmp_path):
+    """The `--rollout` runs (here without sharding: the CPU cannot run ZeRO or accelerate's FSDP) report every rank's
+    generated tokens, with the engine where asked and TRL's path otherwise."""
+    output = tmp_path / "rollout.json"
+    command = [
+        sys.executable, str(BENCHMARKS / "bench_multi_gpu.py"), "--tiny", "--rollout", "--rollout-runs",
+        "cpu_ddp:engine", "cpu_ddp:trl", "--processes", "2", "--rows-per-step", "16", "--ga", "2", "--new-tokens", "4",
+        "--steps", "2", "--output", str(output),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-4000:]
+    engine, trl = json.loads(output.read_text())["rows"]
+    assert (engine["generation"], engine["rollout_engine"], trl["generation"], trl["rollout_engine"]) == (
+        "engine", True, "trl", False,
+    )  # fmt: skip
+    for row in (engine, trl):
+        assert row["processes"] == 2 and math.isfinite(row["generation_tokens_per_s"])
+        assert row["generation_tokens_per_s"] == 16 * 4 / row["generation_s"]  # both ranks' tokens
+        assert row["logprob_gap_max"] < 0.05
+    assert "| cpu_ddp | engine | 2 |" in result.stdout

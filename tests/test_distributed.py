@@ -1,26 +1,15 @@
 """A real 2-process data-parallel run (accelerate, gloo, CPU) against a 1-process run of the same global batch."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import free_port
-
-TESTS = Path(__file__).parent
-CPU_DDP = TESTS.parent / "recipes" / "accelerate" / "cpu_ddp.yaml"
+from helpers import launch_worker
 
 
 def launch(processes: int, model: str, output: Path) -> dict:
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP),
-        "--num_processes", str(processes), "--main_process_port", str(free_port()),
-        str(TESTS / "dist_worker.py"), model, str(output),
-    ]  # fmt: skip
-    result = subprocess.run(command, cwd=TESTS, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    launch_worker("dist_worker.py", processes, model, output)
     return torch.load(output, weights_only=True)
 
 

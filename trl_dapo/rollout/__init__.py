@@ -8,6 +8,7 @@ import torch
 
 from .paged_engine import GenerationOutput, PagedRolloutEngine, RolloutStats
 from .sampling import SamplingSettings
+from .sharded import is_zero3, parameter_gather
 from .static_engine import StaticRolloutEngine
 from .weights import SUPPORTED_MODEL_TYPES
 
@@ -40,18 +41,19 @@ def static_engine_blocker(trainer) -> str | None:
         (bool(trainer.tools), "tool calling needs TRL's multi-turn loop"),
         (trainer._is_vlm, "multimodal model"),
         (config.model_type not in SUPPORTED_MODEL_TYPES, f"model type {config.model_type!r} is not supported"),
-        (trainer.is_deepspeed_enabled and _zero3(trainer), "ZeRO-3 shards the weights"),
+        (
+            is_zero3(trainer) and not args.ds3_gather_for_generation,
+            "ds3_gather_for_generation=False asks for no full copy of the weights, which the engine keeps",
+        ),
         (args.use_transformers_continuous_batching, "continuous batching was asked for"),
-        (trainer.is_fsdp_enabled, "FSDP shards the weights"),
+        (
+            trainer.is_fsdp_enabled and not trainer.accelerator.is_fsdp2,
+            "FSDP1 shards the weights (use fsdp_version 2)",
+        ),
         (args.min_p is not None or args.repetition_penalty != 1.0, "min_p / repetition_penalty"),
         (bool(set(args.generation_kwargs or {}) - SUPPORTED_GENERATION_KWARGS), "unsupported generation_kwargs"),
     ]
     return next((reason for failed, reason in checks if failed), None)
-
-
-def _zero3(trainer) -> bool:
-    plugin = trainer.accelerator.state.deepspeed_plugin
-    return plugin is not None and plugin.zero_stage == 3
 
 
 def select_rollout_engine(trainer) -> PagedRolloutEngine | StaticRolloutEngine | None:
@@ -74,6 +76,8 @@ def select_rollout_engine(trainer) -> PagedRolloutEngine | StaticRolloutEngine |
         pad_token_id=trainer._tokenizer.pad_token_id,
         dtype=torch.bfloat16 if on_cuda else torch.float32,
         cuda_graph=on_cuda,
+        device=trainer.accelerator.device,
+        gather=parameter_gather(trainer),
     )
     model = trainer.accelerator.unwrap_model(trainer.model)
     if choice == "static":

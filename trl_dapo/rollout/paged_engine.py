@@ -92,13 +92,14 @@ class PagedRolloutEngine:
         prefill_tokens: int = 16384,
         compile_decode: bool | None = None,
         show_progress: bool = False,
+        device: torch.device | None = None,
         gather=gather_nothing,
     ) -> None:
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1].")
         if max_rows < 1 or page_size < 1 or sync_every < 1 or prefill_tokens < 1:
             raise ValueError("max_rows, page_size, sync_every and prefill_tokens must be positive.")
-        self.snapshot = WeightSnapshot(model, dtype, gather)
+        self.snapshot = WeightSnapshot(model, dtype, device=device, gather=gather)
         config = self.snapshot.config
         self.device, self.dtype, self.cuda_graph = self.snapshot.device, dtype, cuda_graph
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id

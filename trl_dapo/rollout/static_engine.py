@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .sampling import SamplingSettings, pick_tokens, sampling_noise
-from .weights import WeightSnapshot
+from .weights import WeightSnapshot, gather_nothing
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,10 @@ class StaticRolloutEngine:
         cuda_graph: bool,
         bucket_rows: bool | None = None,
         compile_decode: bool | None = None,
+        device: torch.device | None = None,
+        gather=gather_nothing,
     ):
-        self.snapshot = WeightSnapshot(model, dtype)
+        self.snapshot = WeightSnapshot(model, dtype, device=device, gather=gather)
         self.config = self.snapshot.config
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
         self.dtype, self.cuda_graph = dtype, cuda_graph

@@ -6,6 +6,7 @@ into the same tensors, so CUDA graphs captured over them stay valid across optim
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -44,18 +45,22 @@ def gather_nothing(module: torch.nn.Module) -> AbstractContextManager:
 class WeightSnapshot:
     """Generation-dtype weights by name (`embed`, `final_norm`, `lm_head`, `layers.<i>.<name>`) and per layer.
 
-    `gather(module)` is a context manager under which the module's full parameters can be read; the snapshot reads
-    one module at a time inside it.
+    `gather(module)` is a context manager under which the module's full parameters can be read (`sharded.py` for
+    ZeRO-3 and FSDP2); the snapshot reads one module at a time inside it, and `sync` copies each module into the
+    snapshot before the next is gathered, so the extra memory is the snapshot plus one module in flight. `device` is
+    where the snapshot lives (default: the model's); a trainer's model may still be on the host when it is built.
     """
 
-    def __init__(self, model, dtype: torch.dtype, gather=gather_nothing) -> None:
+    def __init__(
+        self, model, dtype: torch.dtype, *, device: torch.device | None = None, gather=gather_nothing
+    ) -> None:
         base = base_model(model)
         self.config = base.config
         if self.config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"the rollout engine supports {SUPPORTED_MODEL_TYPES}, not {self.config.model_type!r}.")
         self.dtype, self.gather = dtype, gather
-        self.tensors = self._read(model)
-        self.device = self.tensors["embed"].device
+        self.device = torch.device(device) if device is not None else base.model.embed_tokens.weight.device
+        self.tensors = {name: self._own(tensor) for weights in self._read(model) for name, tensor in weights.items()}
         self.rotary = base.model.rotary_emb
         self.embed, self.final_norm = self.tensors["embed"], self.tensors["final_norm"]
         self.lm_head = self.tensors.get("lm_head", self.embed)
@@ -66,30 +71,40 @@ class WeightSnapshot:
             layer.setdefault("qkv_bias", None)
             self.layers.append(layer)
 
+    def _own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The snapshot's tensor for a weight as read. An unsharded parameter already in the generation dtype and
+        on the device outlives the read and is used as it is; a gathered one is freed when its module is resharded,
+        so it is copied. A weight on the meta device (a rank that loads no weights, as with FSDP's RAM-efficient
+        loading) only gets its storage: the first `sync` fills it, and the trainer syncs before it generates."""
+        if tensor.is_meta:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+        return tensor.to(self.device, copy=self.gather is not gather_nothing)
+
     @torch.no_grad()
     def sync(self, model) -> None:
         """Copy the training weights into the snapshot's own tensors (called once per generation batch)."""
-        for name, tensor in self._read(model).items():
-            if self.tensors[name].data_ptr() != tensor.data_ptr():
-                self.tensors[name].copy_(tensor)
+        for weights in self._read(model):
+            for name, tensor in weights.items():
+                if self.tensors[name].data_ptr() != tensor.data_ptr():
+                    self.tensors[name].copy_(tensor)
 
     @torch.no_grad()
-    def _read(self, model) -> dict[str, torch.Tensor]:
+    def _read(self, model) -> Iterator[dict[str, torch.Tensor]]:
+        """The generation-dtype weights of one module at a time, yielded while that module is gathered: they may
+        share its gathered storage, so use them before asking for the next."""
         base = base_model(model)
         decoder, dtype = base.model, self.dtype
-        weights: dict[str, torch.Tensor] = {}
         with self.gather(decoder.embed_tokens):
-            weights["embed"] = decoder.embed_tokens.weight.detach().to(dtype)
+            yield {"embed": decoder.embed_tokens.weight.detach().to(dtype)}
         with self.gather(decoder.norm):
-            weights["final_norm"] = decoder.norm.weight.detach().to(dtype)
+            yield {"final_norm": decoder.norm.weight.detach().to(dtype)}
         lm_head = base.get_output_embeddings()
         if lm_head.weight is not decoder.embed_tokens.weight:
             with self.gather(lm_head):
-                weights["lm_head"] = linear_weight(lm_head)[0].to(dtype)
+                yield {"lm_head": linear_weight(lm_head)[0].to(dtype)}
         for index, layer in enumerate(decoder.layers):
             with self.gather(layer):
-                weights.update(self._read_layer(f"layers.{index}.", layer))
-        return weights
+                yield self._read_layer(f"layers.{index}.", layer)
 
     def _read_layer(self, prefix: str, layer) -> dict[str, torch.Tensor]:
         attention, mlp, dtype = layer.self_attn, layer.mlp, self.dtype

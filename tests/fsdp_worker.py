@@ -1,0 +1,119 @@
+"""Run by `accelerate launch` on 2 CPU processes (gloo): the rollout engine's weights read from FSDP2 shards.
+
+accelerate's FSDP2 path does not run on CPU processes (it needs a GPU launch), so the model is sharded here by the same
+function accelerate's `prepare` calls (`fsdp2_prepare_model`, given an FSDP2 plugin), or by plain `fully_shard`
+calls, and the engine is driven directly, as DAPOTrainer drives it: built from the model before it is sharded, synced
+once sharded, synced again after an optimizer step. Each rank writes what it generated and the snapshot it holds,
+beside the same from an unsharded copy of the model given the same weights.
+"""
+
+import copy
+import sys
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from peft import LoraConfig, get_peft_model
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from trl_dapo.rollout import SamplingSettings, StaticRolloutEngine
+from trl_dapo.rollout.sharded import FullyShardGather
+
+PROMPTS = [[5 + (7 * row + 3 * column) % 300 for column in range(3 + row)] for row in range(6)]  # uneven lengths
+SETTINGS = {"greedy": SamplingSettings(10, greedy=True), "sampled": SamplingSettings(10, temperature=0.9, top_k=50)}
+
+
+def engine(model, **options) -> StaticRolloutEngine:
+    return StaticRolloutEngine(
+        model, eos_token_ids=[2], pad_token_id=0, dtype=torch.float32, cuda_graph=False, device="cpu", **options
+    )
+
+
+def generations(rollout: StaticRolloutEngine) -> dict:
+    out = {}
+    for name, settings in SETTINGS.items():
+        torch.manual_seed(1)  # the same sampling noise on both sides
+        out[name] = rollout.generate(PROMPTS, settings)
+    return out
+
+
+def weights(rollout: StaticRolloutEngine) -> dict[str, torch.Tensor]:
+    """A copy of the snapshot (an unsharded fp32 one aliases the model's parameters, which the step moves)."""
+    return {name: tensor.clone() for name, tensor in rollout.weights.items()}
+
+
+def shard(model, layout: str, accelerator: Accelerator):
+    if layout == "layers_and_root":  # the embedding, final norm and head stay in the root's group
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    return fsdp2_prepare_model(accelerator, model)
+
+
+def optimizer_step(model, rank: int) -> None:
+    """One SGD step on a rank-dependent batch: FSDP reduce-scatters the gradients, each rank updates its shard."""
+    model.train()
+    ids = torch.tensor([[3 + (11 * rank + 5 * t) % 200 for t in range(12)]] * 2)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=2.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    model.eval()
+
+
+def run(layout: str, model_path: str, accelerator: Accelerator) -> dict:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    if layout == "accelerate_lora":
+        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], init_lora_weights=False)
+        model = get_peft_model(model, config)
+    model.eval()
+    reference = copy.deepcopy(model)
+    rollout = engine(model, gather=FullyShardGather(model))  # before sharding, as in DAPOTrainer.__init__
+    tensors_before = dict(rollout.weights)
+    model = shard(model, layout.removesuffix("_lora"), accelerator)
+    shards = {name: p.to_local().numel() / p.numel() for name, p in model.named_parameters() if isinstance(p, DTensor)}
+    rollout.sync_weights(model)
+    result = {
+        "shard_fractions": shards,
+        "parameters": sum(1 for _ in model.parameters()),
+        "in_place": all(rollout.weights[name] is tensor for name, tensor in tensors_before.items()),
+        "sharded": generations(rollout),
+        "unsharded": generations(engine(reference)),
+        "snapshot": weights(rollout),
+        "unsharded_snapshot": weights(engine(reference)),
+    }
+    before_step = {name: p.full_tensor() for name, p in model.named_parameters()}
+    optimizer_step(model, accelerator.process_index)
+    with torch.no_grad():  # the updated weights gathered by DTensor, independently of the unsharding under test
+        for name, parameter in model.named_parameters():
+            reference.get_parameter(name).copy_(parameter.full_tensor())
+    result["moved"] = max((p.full_tensor() - before_step[n]).abs().max().item() for n, p in model.named_parameters())
+    rollout.sync_weights(model)
+    result["stepped_snapshot"] = weights(rollout)
+    result["stepped_unsharded_snapshot"] = weights(engine(reference))
+    result["stepped_sharded"] = generations(rollout)
+    result["stepped_unsharded"] = generations(engine(reference))
+    result["built_from_shards"] = weights(engine(model, gather=FullyShardGather(model)))
+    return result
+
+
+def main(model_path: str, output: str) -> None:
+    accelerator = Accelerator(cpu=True)
+    # accelerate sets the FSDP plugin only on a GPU launch; its sharding function reads nothing else from the state
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap"
+    )
+    layouts = ["accelerate", "layers_and_root", "accelerate_lora"]
+    results = {layout: run(layout, model_path, accelerator) for layout in layouts}
+    torch.save(results, f"{output}.rank{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
