@@ -100,7 +100,8 @@ def main() -> None:
         **rollout,
     )
     sections: dict[str, list[tuple[int, float]]] = {}
-    time_methods(trainer, sections)
+    generated: list[tuple[int, int]] = []  # (step, completion tokens) of each generation call
+    time_methods(trainer, sections, generated)
     trainer.train()
     rank = trainer.accelerator.process_index
     report = {
@@ -108,7 +109,7 @@ def main() -> None:
         "world": world,
         "step_times_s": timer.times,
         "generation_s": [sum(t for s, t in sections.get("generation", []) if s == step) for step in range(args.steps)],
-        "generated_tokens_per_step": args.rows_per_step // world * args.new_tokens,
+        "generated_tokens_per_step": sum(tokens for _, tokens in generated) / max(args.steps, 1),
         "rollout_engine": trainer.rollout_engine is not None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "metrics": [h for h in trainer.state.log_history if "loss" in h],
