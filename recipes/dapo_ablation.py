@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from ablation.config import SMOKE, StudyConfig
-from ablation.plan import estimate, format_plan
+from ablation.plan import compare, estimate, format_plan
 from ablation.report import format_table, plot, summarize
 from ablation.study import launch_workers, load_seed_records
 from ablation.variants import VARIANT_NAMES
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     (output / "ablation.json").write_text(json.dumps(result, indent=2))
     plot(config, records, output / "ablation.png")
     print(format_table(summary))
+    print(compare(plan, records))
     print(f"study: {result['study_s'] / 60:.1f} min; wrote {output / 'ablation.json'} and {output / 'ablation.png'}")
     failures = [
         f"seed {r['seed']} {name}:\n{run['error']}"

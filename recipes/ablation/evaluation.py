@@ -2,7 +2,9 @@
 callback that records them against optimizer steps and training wall-clock.
 
 Evaluation runs under `torch.random.fork_rng` with its own seed: its samples are reproducible and it leaves the
-training RNG untouched, so how often a run is evaluated does not change what it trains on.
+training RNG untouched, so how often a run is evaluated does not change what it trains on. With `bf16` it runs under
+bf16 autocast, as the trainers' models do once accelerate has wrapped them, so the warm-started model (step 0) and
+the trained ones are evaluated at the same precision.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class EvalSettings:
     max_new_tokens: int
     max_rows: int  # rows of one generate call
     seed: int
+    bf16: bool
 
 
 @dataclass
@@ -98,7 +101,8 @@ def evaluate(model, tokenizer, dataset, settings: EvalSettings) -> dict[str, Any
         eos_token_id=tokenizer.eos_token_id,
     )
     buckets = list(dataset["bucket"])
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast:
         torch.manual_seed(settings.seed)
         greedy = _generate(model, tokenizer, dataset, 1, GenerationConfig(do_sample=False, **common), settings)
         metrics: dict[str, Any] = {"greedy": _by_bucket([float(c[0]) for c in greedy.correct], buckets)}

@@ -107,7 +107,7 @@ def warm_start(path: str | Path, config: StudyConfig, held_out_prompts: set[str]
         return problems
 
     probe = to_dataset(fresh(config.sft_probe_problems), config.buckets)
-    settings = EvalSettings(0, 1.0, 1.0, config.max_completion_length, config.eval_max_rows, seed)
+    settings = EvalSettings(0, 1.0, 1.0, config.max_completion_length, config.eval_max_rows, seed, config.bf16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.sft_learning_rate, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / config.sft_warmup_steps)

@@ -82,3 +82,23 @@ def format_plan(plan: dict) -> str:
         f"with {plan['workers']} workers sharing the device {plan['with_workers_s'] / 60:.1f} min",
     ]
     return "\n".join(lines)
+
+
+def compare(plan: dict, records: list[dict]) -> str:
+    """Planned against measured seconds per seed (mean over seeds; measured with the workers sharing the device)."""
+
+    def mean(values: list[float]) -> str:
+        return f"{sum(values) / len(values):.1f}" if values else "n/a"
+
+    lines = ["| phase, per seed | planned s | measured s |", "|---|---|---|"]
+    lines.append(
+        f"| warm start | at most {plan['warm_start_at_most_s']:.0f} | "
+        f"{mean([r['warm_start']['seconds'] for r in records])} |"
+    )
+    for name, planned in plan["runs"].items():
+        runs = [r["runs"][name] for r in records if r["runs"].get(name, {}).get("status") == "ok"]
+        lines.append(
+            f"| {name}: training / all | {planned['train_s']:.0f} / {planned['total_s']:.0f} | "
+            f"{mean([run['train_s'] for run in runs])} / {mean([run['total_s'] for run in runs])} |"
+        )
+    return "\n".join(lines)

@@ -58,6 +58,7 @@ def eval_settings(config: StudyConfig, seed: int) -> EvalSettings:
         config.max_completion_length,
         config.eval_max_rows,
         seed,
+        config.bf16,
     )
 
 
