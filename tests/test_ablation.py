@@ -22,7 +22,7 @@ from ablation.config import SMOKE, StudyConfig  # noqa: E402
 from ablation.evaluation import _by_bucket, _first_eos_mask  # noqa: E402
 from ablation.model import build_char_tokenizer  # noqa: E402
 from ablation.report import crossing  # noqa: E402
-from ablation.variants import VARIANTS, AdditionReward, trainer_setup  # noqa: E402
+from ablation.variants import VARIANTS, AdditionReward, run_order, trainer_setup  # noqa: E402
 
 BUCKETS = ((1, 2), (3, 4), (5, 6), (7, 8))
 
@@ -116,6 +116,13 @@ def test_ladder_adds_one_piece_per_variant(tmp_path):
         changed = [p for p in pieces if getattr(before, p) != getattr(after, p)]
         assert len(changed) == 1, (after.name, changed)
     config = StudyConfig(device="cpu", bf16=False)
+    assert [v.name for v in run_order(config)] == [
+        "grpo", "dynamic_sampling", "overlong_filter", "clip_higher", "soft_overlong", "token_level", "dapo_paged_engine"
+    ]  # fmt: skip
+    assert [v.name for v in run_order(config.with_overrides(variants=("clip_higher", "grpo")))] == [
+        "grpo",
+        "clip_higher",
+    ]
     setups = {v.name: trainer_setup(v, config, 0, tmp_path) for v in VARIANTS}
     trainer_class, grpo, rewards = setups["grpo"]
     assert trainer_class.__name__ == "GRPOTrainer" and grpo.loss_type == "grpo" and len(rewards) == 1

@@ -26,7 +26,7 @@ from trl_dapo.data.addition import addition_splits
 from .config import StudyConfig
 from .evaluation import EvalSettings, HeldOutCurve, evaluate
 from .model import build_model, load_tokenizer, warm_start
-from .variants import Variant, build_trainer, variants_of
+from .variants import Variant, build_trainer, run_order
 
 RECIPES = Path(__file__).resolve().parent.parent
 # Training metrics kept per optimizer step (TRL's, DAPOTrainer's and the reward's).
@@ -119,7 +119,7 @@ def run_seed(config: StudyConfig, output: Path, seed: int) -> dict:
     record["runs"] = {}
     path = seed_file(output, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for variant in variants_of(config):
+    for variant in run_order(config):
         result = run_variant(variant, config, seed, model_dir, data, start_point)
         record["runs"][variant.name] = result
         path.write_text(json.dumps(record, indent=2))

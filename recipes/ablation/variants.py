@@ -101,12 +101,22 @@ VARIANT_NAMES = tuple(v.name for v in VARIANTS)
 
 
 def variants_of(config: StudyConfig) -> tuple[Variant, ...]:
+    """The study's variants in ladder order (the order of every report)."""
     if not config.variants:
         return VARIANTS
     unknown = set(config.variants) - set(VARIANT_NAMES)
     if unknown:
         raise ValueError(f"variants: {sorted(unknown)} unknown; choose from {list(VARIANT_NAMES)}.")
     return tuple(v for v in VARIANTS if v.name in config.variants)
+
+
+def run_order(config: StudyConfig) -> tuple[Variant, ...]:
+    """The order a worker runs them: both ends of the ladder first, so a study cut short still compares naive GRPO
+    with full DAPO; the paged engine last, so no run on TRL's path follows a compiling engine in the same process."""
+    ladder = variants_of(config)
+    first = [v for v in ladder if v.name in (VARIANTS[0].name, "dynamic_sampling")]
+    last = [v for v in ladder if v.rollout_engine != "trl"]
+    return (*first, *(v for v in ladder if v not in first and v not in last), *last)
 
 
 def grpo_fields(config: StudyConfig, variant: Variant, seed: int, output_dir: str) -> dict[str, Any]:
