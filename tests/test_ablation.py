@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from trl_dapo import DAPOConfig
 from trl_dapo.data import addition_splits
@@ -20,7 +21,7 @@ ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "recipes"))
 from ablation.config import SMOKE, StudyConfig  # noqa: E402
 from ablation.evaluation import _by_bucket, _first_eos_mask  # noqa: E402
-from ablation.model import build_char_tokenizer  # noqa: E402
+from ablation.model import build_char_tokenizer, build_model  # noqa: E402
 from ablation.report import crossing  # noqa: E402
 from ablation.variants import VARIANTS, AdditionReward, run_order, trainer_setup  # noqa: E402
 
@@ -92,6 +93,14 @@ def test_char_tokenizer_round_trips_a_solution():
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert len(ids) == len(text) and len(tokenizer) == 2 + 10 + len("+=\n :Answer")  # pad, end, digits, 11 more
     assert tokenizer.decode([*ids, tokenizer.eos_token_id, tokenizer.pad_token_id], skip_special_tokens=True) == text
+
+
+def test_default_model_has_the_documented_size(tmp_path):
+    build_model(tmp_path, StudyConfig(), seed=0)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    # per layer: q 512*512 + 512, k and v 512*256 + 256 each (4 of 8 heads), o 512*512, gate/up/down 3*512*1408,
+    # two norms 2*512 = 2,951,168; 6 layers + tied embedding 23*512 + final norm 512 = 17,719,296
+    assert sum(p.numel() for p in model.parameters()) == 17_719_296
 
 
 def test_reward_scores_counts_and_logs_groups():

@@ -61,17 +61,23 @@ def build_tiny_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    intermediate_size: int | None = None,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 512,
 ) -> str:
-    """Save a randomly initialised 2-layer Qwen2 and its tokenizer to `output_dir`; return the path."""
-    tokenizer = build_tiny_tokenizer()
+    """Save a randomly initialised Qwen2 (2 layers by default) and its tokenizer (the tiny BPE one by default) to
+    `output_dir`; return the path."""
+    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
+        intermediate_size=intermediate_size or hidden_size * 2,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

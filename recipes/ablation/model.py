@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from trl_dapo.data.addition import draw_problem, to_dataset
+from trl_dapo.testing import build_tiny_model
 
 from .config import StudyConfig
 from .evaluation import OVERALL, EvalSettings, evaluate
@@ -41,29 +42,19 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast.from_pretrained(path)
 
 
-def build_model(path: str | Path, config: StudyConfig, seed: int) -> int:
-    """Save a randomly initialised Qwen2 and the character tokenizer to `path`; return the parameter count."""
-    tokenizer = build_char_tokenizer()
-    model_config = Qwen2Config(
-        vocab_size=len(tokenizer),
+def build_model(path: str | Path, config: StudyConfig, seed: int) -> None:
+    """Save a randomly initialised Qwen2 of the configured size and the character tokenizer to `path`."""
+    build_tiny_model(
+        path,
         hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        seed=seed,
+        tokenizer=build_char_tokenizer(),
         intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
         max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(model_config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
 
 
 def _batch(tokenizer, problems, device) -> dict[str, torch.Tensor]:
@@ -130,6 +121,7 @@ def warm_start(path: str | Path, config: StudyConfig, held_out_prompts: set[str]
                 break
     model.save_pretrained(path)
     return {
+        "parameters": sum(p.numel() for p in model.parameters()),
         "steps": step,
         "seconds": time.perf_counter() - began,
         "reached_target": checks[-1]["probe_greedy"][OVERALL] >= config.sft_target_accuracy,

@@ -108,7 +108,8 @@ def run_seed(config: StudyConfig, output: Path, seed: int) -> dict:
     """Build and warm-start this seed's model, evaluate it (step 0 of every variant), then run every variant."""
     data = addition_splits(config.num_train, config.test_per_bucket, config.buckets, config.data_seed)
     model_dir = output / "models" / f"seed{seed}"
-    record: dict[str, Any] = {"seed": seed, "parameters": build_model(model_dir, config, seed)}
+    build_model(model_dir, config, seed)
+    record: dict[str, Any] = {"seed": seed}
     record["warm_start"] = warm_start(model_dir, config, set(data["test"]["prompt"]), seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(config.device)
     began = time.perf_counter()
