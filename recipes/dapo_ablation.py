@@ -64,24 +64,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, help="optimizer steps per run (default 120)")
     parser.add_argument("--eval-every", type=int, help="optimizer steps between held-out evaluations (default 20)")
     parser.add_argument("--device", choices=("cuda", "cpu"))
-    parser.add_argument("--report-only", action="store_true", help="summarise the runs already in --output")
+    parser.add_argument(
+        "--report-only", action="store_true", help="summarise the runs already in --output, with their settings"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    base = SMOKE if args.smoke else StudyConfig()
-    config = base.with_overrides(
-        seeds=tuple(args.seeds) if args.seeds else None,
-        variants=tuple(args.variants) if args.variants else None,
-        workers=args.workers,
-        max_steps=args.max_steps,
-        eval_every=args.eval_every,
-        device=args.device,
-    )
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --smoke (CPU) or --device cpu.")
     output = args.output or Path("outputs") / ("ablation-smoke" if args.smoke else "ablation")
+    if args.report_only:  # the settings the runs were made with
+        config = StudyConfig.load(output / "study_config.json")
+    else:
+        config = (SMOKE if args.smoke else StudyConfig()).with_overrides(
+            seeds=tuple(args.seeds) if args.seeds else None,
+            variants=tuple(args.variants) if args.variants else None,
+            workers=args.workers,
+            max_steps=args.max_steps,
+            eval_every=args.eval_every,
+            device=args.device,
+        )
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: run with --smoke (CPU) or --device cpu.")
     plan = estimate(config)
     print(format_plan(plan), flush=True)
     began = time.perf_counter()

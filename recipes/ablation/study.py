@@ -39,6 +39,7 @@ TRAIN_METRICS = (
     "study/solve_rate",
     "dapo/sampling_efficiency",
     "dapo/gen_batches",
+    "dapo/partial_batch",
     "clip_ratio/low_mean",
     "clip_ratio/high_mean",
     "grad_norm",
