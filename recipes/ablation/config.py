@@ -31,7 +31,7 @@ class StudyConfig:
     sft_learning_rate: float = 1e-3
     sft_warmup_steps: int = 50
     sft_max_steps: int = 3000
-    sft_check_every: int = 100
+    sft_check_every: int = 50
     sft_probe_problems: int = 256
     sft_target_accuracy: float = 0.5
     # ---- RL, the same for every variant
@@ -39,7 +39,7 @@ class StudyConfig:
     prompts_per_step: int = 16
     steps_per_generation: int = 4  # optimizer steps per generation batch: later ones are off-policy, so clipping acts
     max_steps: int = 120
-    learning_rate: float = 2e-5
+    learning_rate: float = 1e-5
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     max_completion_length: int = 128  # the longest worked solution (8 digits) is 90 tokens with its end token
