@@ -69,21 +69,27 @@ def build_tiny_model(
     num_layers: int = 2,
     seed: int = 0,
     kind: str = "causal_lm",
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    intermediate_size: int | None = None,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 512,
 ) -> str:
-    """Save a randomly initialised 2-layer model and its tokenizer to `output_dir`; return the path.
+    """Save a randomly initialised model (2 layers by default) and its tokenizer (the tiny BPE one by default) to
+    `output_dir`; return the path.
 
     `kind`: `"causal_lm"` (Qwen2), `"moe"` (Qwen3-MoE, 4 experts, returns the router load-balancing loss) or
     `"reward"` (a Qwen2 sequence classifier with one score, the shape of a reward model).
     """
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
     shared = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
+        intermediate_size=intermediate_size or hidden_size * 2,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -95,7 +101,7 @@ def build_tiny_model(
     elif kind == "moe":
         config = Qwen3MoeConfig(
             **shared,
-            head_dim=hidden_size // 4,
+            head_dim=hidden_size // num_heads,
             moe_intermediate_size=hidden_size // 2,
             num_experts=4,
             num_experts_per_tok=2,

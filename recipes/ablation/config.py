@@ -1,0 +1,145 @@
+"""Every setting of the ablation study in one place: the H200 default and the CPU smoke preset.
+
+The trainers' configs are built from these fields alone (see `variants.py`), every field the study depends on set
+explicitly, so a changed default in `DAPOConfig` or `GRPOConfig` does not change the study.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from trl_dapo.data.addition import Bucket, check_buckets
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    # ---- task: scratchpad addition, difficulty = digits of the longer operand
+    buckets: tuple[Bucket, ...] = ((1, 2), (3, 4), (5, 6), (7, 8))
+    num_train: int = 20_000
+    test_per_bucket: int = 64
+    data_seed: int = 1234  # one problem set for every seed, so seeds vary the model and sampling, not the data
+    # ---- model built from scratch (Qwen2 architecture, character tokenizer): 17.7M parameters by default
+    hidden_size: int = 512
+    num_layers: int = 6
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    intermediate_size: int = 1408
+    # ---- supervised warm start: stops at the first check whose greedy probe accuracy reaches the target
+    sft_batch_size: int = 256
+    sft_learning_rate: float = 1e-3
+    sft_warmup_steps: int = 50
+    sft_max_steps: int = 3000
+    sft_check_every: int = 50
+    sft_probe_problems: int = 256
+    sft_target_accuracy: float = 0.5
+    # ---- RL, the same for every variant
+    num_generations: int = 8
+    prompts_per_step: int = 16
+    steps_per_generation: int = 4  # optimizer steps per generation batch: later ones are off-policy, so clipping acts
+    max_steps: int = 120
+    learning_rate: float = 1e-5
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    max_completion_length: int = 128  # the longest worked solution (8 digits) is 90 tokens with its end token
+    overlong_buffer_len: int = 32  # soft punishment from 96 tokens on: never on a correct solution
+    overlong_penalty_factor: float = 1.0
+    temperature: float = 1.0
+    epsilon: float = 0.2
+    epsilon_high: float = 0.28
+    max_num_gen_batches: int = 4
+    dynamic_sampling_oversample: str = "auto"
+    dynamic_sampling_max_oversample: float = 4.0
+    # ---- held-out evaluation (also at step 0, once per seed: the warm-started model)
+    eval_every: int = 20
+    eval_k: int = 8
+    eval_temperature: float = 1.0
+    eval_top_p: float = 0.7  # the reference recipe's validation sampling
+    eval_max_rows: int = 2048
+    # ---- the study
+    seeds: tuple[int, ...] = (0, 1, 2)
+    variants: tuple[str, ...] = field(default=())  # empty: every variant of `variants.VARIANTS`, in ladder order
+    workers: int = 3  # processes sharing the device, seeds dealt out round-robin
+    device: str = "cuda"
+    bf16: bool = True
+    torch_threads: int = 4  # per worker: CPU-side work is light, and workers must not oversubscribe the host
+
+    def __post_init__(self) -> None:
+        check_buckets(self.buckets, self.buckets[0][0], self.buckets[-1][1])
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds={self.seeds}: give one or more distinct seeds.")
+        if self.workers < 1:
+            raise ValueError(f"workers={self.workers}: at least one worker process runs the seeds.")
+        if self.max_steps % self.steps_per_generation:
+            raise ValueError(
+                f"max_steps={self.max_steps} must be a multiple of steps_per_generation={self.steps_per_generation}, "
+                "so no variant ends inside a generation batch."
+            )
+        if not 0 < self.eval_every <= self.max_steps:
+            raise ValueError(f"eval_every={self.eval_every} must be in 1..max_steps ({self.max_steps}).")
+        if self.overlong_buffer_len >= self.max_completion_length:
+            raise ValueError("overlong_buffer_len must be below max_completion_length.")
+        if self.eval_k < 1:
+            raise ValueError(f"eval_k={self.eval_k}: avg@k needs at least one sample per problem.")
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+    def eval_steps(self) -> list[int]:
+        """Optimizer steps with a held-out evaluation: 0, every `eval_every`, and the last."""
+        return sorted({0, *range(self.eval_every, self.max_steps + 1, self.eval_every), self.max_steps})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> StudyConfig:
+        values = json.loads(Path(path).read_text())
+        values["buckets"] = tuple(tuple(b) for b in values["buckets"])
+        values["seeds"], values["variants"] = tuple(values["seeds"]), tuple(values["variants"])
+        return cls(**values)
+
+    def with_overrides(self, **overrides) -> StudyConfig:
+        known = {f.name for f in fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"unknown study settings {sorted(unknown)}.")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+# The pipeline on 2 CPU cores in well under a minute: a 2-layer, 64-wide model warm-started on one- and two-digit
+# problems until it is right on some (dynamic sampling needs groups with some right samples), 2 RL steps per variant,
+# 2 seeds in 2 workers, a handful of held-out problems.
+SMOKE = StudyConfig(
+    buckets=((1, 1), (2, 2)),
+    num_train=64,
+    test_per_bucket=2,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    sft_batch_size=32,
+    sft_learning_rate=3e-3,
+    sft_max_steps=200,
+    sft_check_every=50,
+    sft_probe_problems=8,
+    sft_target_accuracy=0.4,
+    num_generations=4,
+    prompts_per_step=2,
+    steps_per_generation=2,
+    max_steps=2,
+    learning_rate=1e-3,
+    max_completion_length=40,  # the two-digit solution is 30 tokens with its end token
+    overlong_buffer_len=8,
+    max_num_gen_batches=4,
+    eval_every=2,
+    eval_k=2,
+    seeds=(0, 1),
+    workers=2,
+    device="cpu",
+    bf16=False,
+    torch_threads=1,
+)
