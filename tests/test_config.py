@@ -98,6 +98,10 @@ def test_oversample_accepts_auto_and_numbers():
         (dict(overlong_penalty_factor=-1.0), "overlong_penalty_factor="),
         (dict(overlong_buffer_len=512, max_completion_length=512), "overlong_buffer_len="),
         (dict(overlong_buffer_len=-1), "overlong_buffer_len="),
+        (dict(rollout_engine="vllm"), "rollout_engine="),
+        (dict(rollout_memory_fraction=0.0), "rollout_memory_fraction="),
+        (dict(rollout_memory_fraction=1.5), "rollout_memory_fraction="),
+        (dict(rollout_max_rows=0), "rollout_max_rows="),
         (
             dict(gradient_accumulation_steps=2, steps_per_generation=3, per_device_train_batch_size=16),
             "steps_per_generation=",

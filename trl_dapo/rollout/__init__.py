@@ -83,7 +83,11 @@ def select_rollout_engine(trainer) -> PagedRolloutEngine | StaticRolloutEngine |
     if choice == "static":
         return StaticRolloutEngine(model, **common)
     return PagedRolloutEngine(
-        model, show_progress=trainer.accelerator.is_main_process and not trainer.args.disable_tqdm, **common
+        model,
+        memory_fraction=trainer.args.rollout_memory_fraction,
+        max_rows=trainer.args.rollout_max_rows,
+        show_progress=trainer.accelerator.is_main_process and not trainer.args.disable_tqdm,
+        **common,
     )
 
 

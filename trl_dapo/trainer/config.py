@@ -110,10 +110,17 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         overlong_penalty_factor (`float`, *optional*, defaults to `1.0`):
             Size of the overlong penalty at `max_completion_length`.
         rollout_engine (`str`, *optional*, defaults to `"auto"`):
-            Generation path. `"static"`: trl-dapo's static-KV-cache decoder (bf16 weight snapshot, CUDA-graph decode
-            step on CUDA), which returns the sampled tokens' logprobs; `"trl"`: TRL's own path (`generate`, vLLM,
-            continuous batching); `"auto"`: `"static"` on CUDA when the model type and set-up allow it, else TRL's,
-            logging why.
+            Generation path. `"paged"`: trl-dapo's continuous-batching engine over a paged KV cache (bf16 weight
+            snapshot, CUDA-graph decode steps on CUDA), which returns the sampled tokens' logprobs; `"static"`: the
+            earlier static-KV-cache engine; `"trl"`: TRL's own path (`generate`, vLLM, continuous batching);
+            `"auto"`: `"paged"` on CUDA when the model type and set-up allow it, else TRL's, logging why.
+        rollout_memory_fraction (`float`, *optional*, defaults to `0.85`):
+            Share of the device's memory the process may hold while the engine generates: weights, optimizer state,
+            weight snapshot, KV cache and workspace together. The KV cache takes what is left under it (rows wait or
+            are preempted when it is full, never an out-of-memory error) and is freed when generation returns, so
+            training can use that memory.
+        rollout_max_rows (`int`, *optional*, defaults to `1024`):
+            Decode slots of the engine: rows generated at once, each slot refilled as its row ends.
     """
 
     epsilon: float = field(default=0.2, metadata={"help": "Lower clip range ε_low."})
@@ -159,6 +166,10 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     rollout_engine: str = field(
         default="auto", metadata={"help": "'auto', 'paged', 'static' or 'trl'.", "choices": ROLLOUT_ENGINES}
     )
+    rollout_memory_fraction: float = field(
+        default=0.85, metadata={"help": "Share of device memory the process may hold while the engine generates."}
+    )
+    rollout_max_rows: int = field(default=1024, metadata={"help": "Rows the engine decodes at once."})
 
     def __post_init__(self) -> None:
         self._reject_unhonoured_fields()
@@ -271,6 +282,10 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             raise _bad("dynamic_sampling_max_oversample", self.dynamic_sampling_max_oversample, "use a value >= 1.")
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise _bad("rollout_engine", self.rollout_engine, f"use one of {ROLLOUT_ENGINES}.")
+        if not 0 < self.rollout_memory_fraction <= 1:
+            raise _bad("rollout_memory_fraction", self.rollout_memory_fraction, "use a share in (0, 1], e.g. 0.85.")
+        if self.rollout_max_rows < 1:
+            raise _bad("rollout_max_rows", self.rollout_max_rows, "use a positive number of rows, e.g. 1024.")
         if self.overlong_penalty_factor < 0:
             raise _bad(
                 "overlong_penalty_factor", self.overlong_penalty_factor, "use a non-negative value (DAPO: 1.0)."
