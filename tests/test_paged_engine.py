@@ -2,6 +2,7 @@
 `generate`'s, sampled logprobs equal a teacher-forced forward, sampling follows the tempered truncated distribution,
 preemption and refills change nothing, prompts are prefilled once per group, LoRA is merged, weights sync in place."""
 
+import math
 import os
 import shutil
 import subprocess
@@ -12,6 +13,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers import arithmetic_prompts, dapo_args, first_token_parity
+from trl_dapo import DAPOTrainer
 from trl_dapo.rollout import SamplingSettings
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
 
@@ -245,3 +248,62 @@ for heads, kv_heads, dim, page, lengths, splits in [(4, 2, 16, 4, [5, 0, 37], 3)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+class ShiftedLogprobs:
+    """The trainer's engine with every returned logprob lowered by `shift`: a rollout policy the training forward
+    can tell apart from its own, so the ratio shows which logprobs the loss used as the old policy."""
+
+    def __init__(self, engine, shift: float) -> None:
+        self.engine, self.shift = engine, shift
+
+    def sync_weights(self, model) -> None:
+        self.engine.sync_weights(model)
+
+    def generate(self, prompt_ids, settings):
+        out = self.engine.generate(prompt_ids, settings)
+        return out._replace(logprobs=out.logprobs - self.shift)
+
+
+def engine_trainer(tiny_model, tmp_path, **overrides):
+    settings = dict(per_device_train_batch_size=8, learning_rate=1e-3, max_steps=1, rollout_engine="paged")
+    settings.update(overrides)
+    return DAPOTrainer(
+        model=tiny_model,
+        reward_funcs=first_token_parity,
+        args=dapo_args(tmp_path, **settings),
+        train_dataset=arithmetic_prompts(40),
+    )
+
+
+def test_trainer_builds_the_engine_from_its_config(tiny_model, tmp_path):
+    trainer = engine_trainer(tiny_model, tmp_path, rollout_memory_fraction=0.5, rollout_max_rows=3)
+    engine = trainer.rollout_engine
+    assert isinstance(engine, PagedRolloutEngine) and (engine.memory_fraction, engine.max_rows) == (0.5, 3)
+    trainer.train()  # 8 rows through 3 decode slots
+    gaps = [h["logprob_gap_max"] for h in trainer.state.log_history if "logprob_gap_max" in h]
+    assert gaps and max(gaps) < 1e-3  # engine logprobs agree with the training forward before any update
+
+
+def test_the_loss_takes_the_engines_logprobs_as_the_old_policy(tiny_model, tmp_path):
+    """At the first update the training logprobs equal the engine's (within 1e-4 on the CPU), so with the engine's
+    logprobs lowered by 0.25 the ratio must be exp(0.25): it would be 1 if the trainer recomputed the old policy
+    itself, or used anything but what the engine returned."""
+    trainer = engine_trainer(tiny_model, tmp_path)
+    trainer.rollout_engine = ShiftedLogprobs(trainer.rollout_engine, shift=0.25)
+    trainer.train()
+    (logs,) = [h for h in trainer.state.log_history if "ratio_mean" in h]
+    assert logs["ratio_mean"] == pytest.approx(math.exp(0.25), abs=2e-4)
+    assert logs["ratio_std"] < 1e-3
+    assert logs["rollout_logprobs_mean"] == pytest.approx(logs["train_logprobs_mean"] - 0.25, abs=1e-4)
+
+
+def test_the_engine_refuses_what_it_cannot_serve(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match=r"rollout_engine='paged' cannot be used here: a rollout_func generates"):
+        DAPOTrainer(
+            model=tiny_model,
+            reward_funcs=first_token_parity,
+            args=dapo_args(tmp_path, per_device_train_batch_size=8, rollout_engine="paged"),
+            train_dataset=arithmetic_prompts(8),
+            rollout_func=lambda prompts, trainer: {},
+        )

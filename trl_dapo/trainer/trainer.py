@@ -291,7 +291,7 @@ class DAPOTrainer(GRPOTrainer):
     def _rollout_logprobs(self, output: dict[str, Any]) -> torch.Tensor:
         """Logprobs of the sampled tokens under the policy that sampled them: the old policy of every later ratio.
 
-        From the generation engine when it returns them (vLLM, the static engine); otherwise one no-grad forward
+        From the generation engine when it returns them (vLLM, the rollout engine); otherwise one no-grad forward
         pass now, before any optimizer step changes the weights.
         """
         logprobs = self._engine_logprobs.take_if_any()
