@@ -8,8 +8,6 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import arithmetic_prompts, dapo_args, first_token_parity
-from trl_dapo import DAPOTrainer
 from trl_dapo.rollout import SamplingSettings, StaticRolloutEngine
 
 
@@ -150,32 +148,6 @@ def test_lora_adapters_are_merged_into_the_snapshot(model_and_tokenizer, tiny_mo
     for prompt, completion, logps in zip(batch, completions, trimmed(logprobs, completions), strict=True):
         expected = teacher_forced_logprobs(peft_model, prompt, completion)
         torch.testing.assert_close(logps, expected, atol=1e-4, rtol=1e-4)
-
-
-def test_trainer_uses_engine_logprobs_as_the_old_policy(tiny_model, tmp_path):
-    trainer = DAPOTrainer(
-        model=tiny_model,
-        reward_funcs=first_token_parity,
-        args=dapo_args(
-            tmp_path, per_device_train_batch_size=8, learning_rate=1e-3, max_steps=2, rollout_engine="paged"
-        ),
-        train_dataset=arithmetic_prompts(40),
-    )
-    assert trainer.rollout_engine is not None
-    trainer.train()
-    gaps = [h["logprob_gap_max"] for h in trainer.state.log_history if "logprob_gap_max" in h]
-    assert gaps and max(gaps) < 1e-3  # engine logprobs agree with the training forward before any update
-
-
-def test_static_engine_refuses_what_it_cannot_serve(tiny_model, tmp_path):
-    with pytest.raises(ValueError, match=r"rollout_engine=.paged. cannot be used here: a rollout_func generates"):
-        DAPOTrainer(
-            model=tiny_model,
-            reward_funcs=first_token_parity,
-            args=dapo_args(tmp_path, per_device_train_batch_size=8, rollout_engine="paged"),
-            train_dataset=arithmetic_prompts(8),
-            rollout_func=lambda prompts, trainer: {},
-        )
 
 
 def test_weight_sync_reaches_the_next_generation(model_and_tokenizer, tiny_model):
