@@ -42,6 +42,7 @@ from workload import (
     kv_bytes_per_token,
     random_model,
     token_prompts,
+    with_lora,
 )
 
 from trl_dapo.rollout import SamplingSettings
@@ -264,11 +265,7 @@ def run_engine(engine: str, model, shapes: list[Shape], setup: dict, args, recor
 
 def build_model(name: str, lora: bool, device: str, dtype: torch.dtype):
     model = random_model(config_path(name), device, dtype).eval()
-    if not lora:
-        return model
-    from peft import LoraConfig, get_peft_model
-
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")).eval()
+    return with_lora(model, rank=16) if lora else model
 
 
 def model_runs(shapes: list[Shape], args) -> dict[tuple[str, bool], list[Shape]]:

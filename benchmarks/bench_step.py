@@ -68,19 +68,21 @@ def step_comparison(
 
 
 def engine_variants(config, tokenizer, setup, warmup: int, steps: int) -> dict:
-    """The DAPO step with gradient checkpointing on, and with a LoRA adapter (merged into the engine's snapshot)."""
+    """The DAPO step with gradient checkpointing on, with a LoRA adapter (merged into the engine's snapshot), and with
+    the old policy recomputed by the training model (its pass is `logprob_pass_s`) under a TIS correction."""
     from peft import LoraConfig
 
     dataset = prompts(4 * setup["rows_per_step"], vocab_size=len(tokenizer))
     variants = {
         "gradient_checkpointing": ({"gradient_checkpointing": True}, None),
         "lora_r16_all_linear": ({"learning_rate": 1e-5}, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")),
+        "recompute_old_logprobs": ({"old_logprobs": "recompute", "rollout_correction": "token_truncate"}, None),
     }
     out = {}
     for name, (extra, peft_config) in variants.items():
         model = random_model(config, setup["device"], setup["dtype"])
         result = run_trainer("dapo", model, tokenizer, dataset, setup, warmup, steps, peft_config=peft_config, **extra)
-        keys = ("step_s", "generation_s", "train_s", "generation_tokens_per_s", "peak_memory_gib")
+        keys = ("step_s", "generation_s", "logprob_pass_s", "train_s", "generation_tokens_per_s", "peak_memory_gib")
         out[name] = {key: result[key] for key in (*keys, "rollout_engine", "logprob_gap_max")}
         del model
     return out
@@ -148,6 +150,7 @@ def table(results: dict) -> str:
     for name, r in results.get("variants", {}).items():
         lines.append(
             f"- DAPO with {name}: step {r['step_s']:.3f} s, generation {r['generation_tokens_per_s']:.0f} tok/s, "
+            f"logprob pass {r['logprob_pass_s']:.3f} s, "
             f"peak {r['peak_memory_gib'] or 0:.1f} GiB, engine {r['rollout_engine']}, "
             f"logprob gap max {r['logprob_gap_max']}"
         )
