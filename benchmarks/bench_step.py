@@ -1,5 +1,5 @@
-"""DAPOTrainer against TRL's GRPOTrainer, step for step, on one device; DAPO with gradient checkpointing and LoRA;
-training MFU and decode bandwidth use against the measured hardware ceilings.
+"""DAPOTrainer against TRL's GRPOTrainer, step for step, on one device; DAPO with gradient checkpointing, with LoRA and
+with the old policy recomputed; training MFU and decode bandwidth use against the measured hardware ceilings.
 
     python benchmarks/bench_step.py                       # CUDA: Qwen2.5-0.5B and 1.5B architectures, random init
     python benchmarks/bench_step.py --variable-lengths    # CUDA: 0.5B, 2,048-token vocabulary, up to 4,096 tokens
@@ -176,8 +176,8 @@ def main() -> None:
     parser.add_argument("--warmup", nargs="*", default=None, help="warm-up steps, as --steps; default 1")
     parser.add_argument(
         "--sections", nargs="*", default=None, choices=["comparison", "variants"],
-        help="comparison: TRL vs DAPO step; variants: DAPO with gradient checkpointing / LoRA (default: both; "
-        "comparison with --variable-lengths)",
+        help="comparison: TRL vs DAPO step; variants: DAPO with gradient checkpointing / LoRA / the old policy "
+        "recomputed (default: both; comparison with --variable-lengths)",
     )  # fmt: skip
     parser.add_argument(
         "--kinds", nargs="*", choices=list(COMPARISON_KINDS), default=None,
