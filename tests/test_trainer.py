@@ -13,10 +13,11 @@ from trl_dapo import DAPOTrainer
 from trl_dapo.integrity import RolloutIntegrityError
 from trl_dapo.rewards import soft_overlong_penalty
 from trl_dapo.sampling import DynamicSamplingLimitError
+from trl_dapo.sampling.rollout_batch import OLD_LOGPROBS_STEP
 from trl_dapo.testing import ScriptedRollout
 from trl_dapo.trainer.batch_metrics import trained_batch_metric_names
 from trl_dapo.trainer.handoff import HandOff
-from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE, _RoundProgress
+from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE, STEP_TOKENS, _RoundProgress
 
 DAPO_METRICS = [
     "clip_ratio/low_mean",
@@ -588,3 +589,33 @@ def test_recompute_reuses_trls_pass_and_refreshes_surplus_rows(tiny_model, tmp_p
         mask = batch["completion_mask"].float()
         expected = teacher_forced_logprobs(model, batch) * mask
         torch.testing.assert_close(batch["old_per_token_logps"] * mask, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_every_rank_runs_the_recompute_pass_over_as_many_rows(tiny_model, tmp_path, monkeypatch):
+    """A sharded model (ZeRO-3, FSDP) gathers weights in each forward with every rank taking part, so a rank with 2
+    stale rows must run over as many rows as the rank that needs most (6 here, that rank emulated by the max
+    reduction): its 2 stale rows are recomputed, the 4 fillers are computed and their logprobs kept."""
+    trainer = make_trainer(
+        tiny_model, tmp_path, scripted=True, dynamic_sampling=False, max_steps=1, old_logprobs="recompute"
+    )
+    trainer.train()
+    (batch,) = trainer._buffered_inputs
+    mask = batch["completion_mask"].float()
+    step = trainer.state.global_step
+    kept = torch.full_like(mask, -1.0) * mask  # a value no forward pass gives, on the rows that keep theirs
+    batch = {k: v for k, v in batch.items() if k != STEP_TOKENS}  # as it is before the micro-batch split
+    batch.update(old_per_token_logps=kept, **{OLD_LOGPROBS_STEP: torch.tensor([step] * 2 + [-1] * 2 + [step] * 4)})
+    forwarded = []
+    forward = trainer._get_per_token_logps_and_entropies
+
+    def counted(model, input_ids, *args, **kwargs):
+        forwarded.append(input_ids.size(0))
+        return forward(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", counted)
+    monkeypatch.setattr(trainer.accelerator, "reduce", lambda tensor, reduction: torch.tensor(6))
+    old = trainer._with_old_policy(batch)["old_per_token_logps"]
+    assert forwarded == [6]
+    expected = teacher_forced_logprobs(trainer.model, batch) * mask
+    torch.testing.assert_close(old[2:4], expected[2:4], atol=1e-5, rtol=1e-5)
+    assert torch.equal(old[[0, 1, 4, 5, 6, 7]], kept[[0, 1, 4, 5, 6, 7]])

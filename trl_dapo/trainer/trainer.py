@@ -1,11 +1,12 @@
-"""`DAPOTrainer`: TRL's `GRPOTrainer` with the DAPO loss, rollout-policy ratios, an exact token-mean and dynamic
+"""`DAPOTrainer`: TRL's `GRPOTrainer` with the DAPO loss, ratios against the rollout (or recomputed) policy, an exact token-mean and dynamic
 sampling.
 
 Hooks overridden, and why:
 - `_calculate_rewards`: check the rewards and hand the raw per-function values (with each completion's length and
   truncation) to the group filter and the trained-batch metrics.
 - `_generate_and_score_completions`: wraps TRL's (never copies it): one call per candidate round, rollout logprobs
-  recorded, the global view filtered by the dynamic-sampling buffer, whole groups re-sharded to the ranks.
+  recorded, the global view filtered by the dynamic-sampling buffer, whole groups re-sharded to the ranks, and with
+  `old_logprobs="recompute"` the old policy recomputed where no pass has computed it yet.
 - `_generate_single_turn`: routes training generation to the static-cache engine when it applies.
 - `_prepare_inputs`: splits a generation batch into micro-batches and gives each the global token count of its own
   optimizer step (TRL divides by the generation batch's average instead).
@@ -342,15 +343,21 @@ class DAPOTrainer(GRPOTrainer):
         """With `old_logprobs="recompute"`, this rank's rows get the training model's logprobs under the current
         weights as their old policy, before any update of the generation batch. Rows whose logprobs a pass of this
         step's rounds already computed keep them (never computed twice); the others (engine, vLLM or rollout_func
-        rounds, surplus groups of an earlier step) get one no-grad forward pass over their trimmed rows."""
+        rounds, surplus groups of an earlier step) get one no-grad forward pass over their trimmed rows.
+
+        Every rank runs the pass over as many rows, the most any rank needs (its own first, then rows it keeps):
+        a sharded model (ZeRO-3, FSDP) gathers its weights in each forward, with every rank taking part."""
         if OLD_LOGPROBS_STEP not in batch:
             return batch
-        stale = (batch.pop(OLD_LOGPROBS_STEP) != self.state.global_step).nonzero().flatten()  # one synchronisation
-        if stale.numel():
-            logps = self._no_grad_logprobs(trim_padding([select_rows(batch, stale)])[0])
+        stale = batch.pop(OLD_LOGPROBS_STEP) != self.state.global_step
+        count = int(self.accelerator.reduce(stale.sum(), reduction="max"))  # one synchronisation
+        if count:
+            rows = torch.argsort(stale.int(), descending=True, stable=True)[:count]
+            logps = self._no_grad_logprobs(trim_padding([select_rows(batch, rows)])[0])
             old = batch["old_per_token_logps"]
             logps = F.pad(logps, (0, old.size(1) - logps.size(1))).to(old.dtype)
-            batch["old_per_token_logps"] = torch.where(loss_mask(batch).bool(), old.index_copy(0, stale, logps), 0.0)
+            logps = torch.where(stale[rows].unsqueeze(1), logps, old[rows])
+            batch["old_per_token_logps"] = torch.where(loss_mask(batch).bool(), old.index_copy(0, rows, logps), 0.0)
         return batch
 
     # ------------------------------------------------------------------------------------------------- metrics
@@ -475,7 +482,8 @@ class DAPOTrainer(GRPOTrainer):
         old_per_token_logps = inputs.get("old_per_token_logps")
         if old_per_token_logps is None:  # evaluation batches are scored on-policy
             old_per_token_logps = per_token_logps.detach()
-        recomputed = "sampling_per_token_logps" in inputs  # old_logprobs="recompute": the rollout's are kept apart
+        # old_logprobs="recompute": the rollout's logprobs are kept apart (evaluation batches are TRL's own)
+        recomputed = mode == "train" and "sampling_per_token_logps" in inputs
         sampled = inputs["sampling_per_token_logps"] if recomputed else old_per_token_logps
         correction = None
         if recomputed and self.args.rollout_correction is not None:
