@@ -32,7 +32,7 @@ import re
 import traceback
 
 import torch
-from result_file import ResultFile, default_output
+from result_file import ResultFile, default_output, finish
 from timing import copy_bandwidth, timed_call
 from workload import (
     EOS_TOKEN_ID,
@@ -364,10 +364,7 @@ def main() -> None:
             failures += run_engine(engine, model, runs, setup, args, record={"model": label}, save=save)
         del model
         release_memory()
-    print(table(results))
-    print(f"wrote {output.path}")
-    if failures:
-        raise SystemExit(f"{failures} measurement(s) failed (see the tracebacks above)")
+    finish(table(results), output.path, failures, "measurement(s)")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import traceback
 from typing import NamedTuple
 
 import torch
-from result_file import ResultFile, default_output
+from result_file import ResultFile, default_output, finish
 from timing import timed_call
 from trl.trainer.utils import add_fused_lm_head
 from workload import EOS_TOKEN_ID, PAD_TOKEN_ID, config_path, random_model, token_prompts, with_lora
@@ -364,10 +364,7 @@ def main() -> None:
             output.save()
             release_memory()
         print(table({spec: out}), flush=True)
-    print(table(models))
-    print(f"wrote {output.path}")
-    if failures:
-        raise SystemExit(f"{failures} model(s) failed (see the tracebacks above)")
+    finish(table(models), output.path, failures, "model(s)")
 
 
 if __name__ == "__main__":
