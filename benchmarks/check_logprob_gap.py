@@ -7,17 +7,18 @@ Per model (random init; `NAME:loraR` wraps it in a LoRA adapter of rank R on eve
 adapter changes the weights as a trained one does) the paged rollout engine samples `--rows` rows (groups of 8
 identical prompts of `--prompt-tokens` random ids) of up to `--new-tokens` tokens at temperature 1, once per engine
 variant (nothing pinned: `min_new_tokens` would make the engine report the EOS-blocked distribution's logprobs, a
-gap of log(1 - p_EOS) per token that is no rounding). Each variant's sampled tokens are then scored by teacher-forced forwards as TRL's training forward
-computes them (its fused LM head, `add_fused_lm_head`, micro-batches of `--micro-batch` rows), once per training
-variant. For every (engine variant, training variant): the gap |train - engine| of the sampled tokens' logprobs
+gap of log(1 - p_EOS) per token that is no rounding). Each variant's sampled tokens are then scored by
+teacher-forced forwards as TRL's training forward computes them (its fused LM head, `add_fused_lm_head`,
+micro-batches of `--micro-batch` rows), once per training variant. For every (engine variant, training variant): the gap |train - engine| of the sampled tokens' logprobs
 (mean, max), the k3 estimate of KL(π_engine ‖ π_train) per token, and the shares of tokens whose first-update ratio
 exp(train - engine) leaves DAPO's clip range [0.8, 1.28] (clipped by numerics when the advantage has the sign that
-clips), exceeds TIS's cap 2, or leaves IcePop's band [0.5, 5]; and the largest deviation of a sequence's
-geometric-mean ratio from 1.
+clips), exceeds a TIS cap of 2 (verl's default), or leaves IcePop's band [0.5, 5]; and the largest deviation of a
+sequence's geometric-mean ratio from 1.
 
 Engine variants: `bf16_logits` (the default), `fp32_logits` (the head's bf16 products kept in float32, which the
 engine does when `cast_lm_head_to_fp32=True`), `reference_attention` (CUDA: decode attention by the engine's PyTorch
-gather-and-softmax reference instead of its Triton kernel, on the same paged cache) and, with LoRA,
+gather-and-softmax reference instead of its Triton kernel, on the same paged cache, decoded without CUDA graphs, in
+which the reference's page count would stay at its capture value) and, with LoRA,
 `lora_merged_twice` (the adapter merged as the snapshot did before: the delta rounded to bf16, then added in bf16).
 Training variants: `bf16_head` (TRL's default), `fp32_head` (`cast_lm_head_to_fp32=True`), `fp32_head_tf32` (CUDA:
 the same with TF32 matrix products, exact for bf16-valued inputs and faster), `eager_attention` (transformers' eager
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import traceback
 from typing import NamedTuple
@@ -173,21 +175,17 @@ class Samples(NamedTuple):
     logprobs: torch.Tensor  # the engine's, 0 past each completion
 
 
-def engine_samples(engine, model, prompts: list[list[int]], args, device: str, save, out: dict) -> dict:
-    """Each engine variant's sampled tokens and their logprobs; a variant that fails is recorded and skipped."""
-    settings = SamplingSettings(args.new_tokens, temperature=1.0)
-    variants = {"bf16_logits": (settings, contextlib.nullcontext)}
-    variants["fp32_logits"] = (dataclasses.replace(settings, fp32_logits=True), contextlib.nullcontext)
-    if device == "cuda" and getattr(engine, "_use_triton", False):
-        variants["reference_attention"] = (settings, lambda: engine_attribute(engine, "_use_triton", False))
-    if lora_layers(model):
-        variants["lora_merged_twice"] = (settings, lambda: resynced(engine, model, merged_twice(model)))
+def engine_samples(engine, prompts: list[list[int]], variants: dict, args, device: str, save, out: dict) -> dict:
+    """Each engine variant's sampled tokens and their logprobs (`variants`: name -> (settings, a context to sample
+    in)); the first variant is sampled twice, the first call compiling and capturing. A variant that fails is
+    recorded and skipped."""
     samples = {}
-    for name, (variant_settings, context) in variants.items():
+    for index, (name, (variant_settings, context)) in enumerate(variants.items()):
         try:
             with context():
-                if name == "bf16_logits":  # the first call compiles and captures; the second is timed
-                    out["warmup_call_s"] = timed_call(engine.generate, prompts, variant_settings)[1]
+                if index == 0:
+                    _, warmup = timed_call(engine.generate, prompts, variant_settings)
+                    out.setdefault("warmup_call_s", {})[name] = warmup
                 (completions, logprobs, _), seconds = timed_call(engine.generate, prompts, variant_settings)
         except Exception as error:  # recorded; the other variants still run
             traceback.print_exc()
@@ -206,20 +204,10 @@ def engine_samples(engine, model, prompts: list[list[int]], args, device: str, s
 
 
 @contextlib.contextmanager
-def engine_attribute(engine, name: str, value):
-    saved = getattr(engine, name)
-    setattr(engine, name, value)
+def snapshot_merged_twice(engine, model):
+    """The engine's snapshot with the adapter merged as it was before, then taken again from the model."""
     try:
-        yield
-    finally:
-        setattr(engine, name, saved)
-
-
-@contextlib.contextmanager
-def resynced(engine, model, context):
-    """The engine's snapshot taken inside `context`, and taken again from the model afterwards."""
-    try:
-        with context:
+        with merged_twice(model):
             engine.sync_weights(model)
             yield
     finally:
@@ -235,12 +223,27 @@ def measure(spec: str, args, device: str, dtype: torch.dtype, out: dict, save) -
     out["params"] = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
     prompts = token_prompts(args.rows, args.prompt_tokens, vocab, group=8)
-    engine = PagedRolloutEngine(
-        model, eos_token_ids=[EOS_TOKEN_ID], pad_token_id=PAD_TOKEN_ID, dtype=dtype, cuda_graph=device == "cuda"
-    )
-    samples = engine_samples(engine, model, prompts, args, device, save, out)
+    common = dict(eos_token_ids=[EOS_TOKEN_ID], pad_token_id=PAD_TOKEN_ID, dtype=dtype)
+    settings = SamplingSettings(args.new_tokens, temperature=1.0)
+    engine = PagedRolloutEngine(model, cuda_graph=device == "cuda", **common)
+    variants = {
+        "bf16_logits": (settings, contextlib.nullcontext),
+        "fp32_logits": (dataclasses.replace(settings, fp32_logits=True), contextlib.nullcontext),
+    }
+    if lora_rank:
+        variants["lora_merged_twice"] = (settings, functools.partial(snapshot_merged_twice, engine, model))
+    samples = engine_samples(engine, prompts, variants, args, device, save, out)
     del engine
     release_memory()
+    if device == "cuda":
+        # The PyTorch reference reads the pages of the longest row at the last synchronisation: a CUDA graph would
+        # freeze that at capture, so this engine decodes eagerly, with the same compiled layers.
+        engine = PagedRolloutEngine(model, cuda_graph=False, compile_decode=True, **common)
+        engine._use_triton = False
+        reference = {"reference_attention": (settings, contextlib.nullcontext)}
+        samples.update(engine_samples(engine, prompts, reference, args, device, save, out))
+        del engine
+        release_memory()
     prompt_ids = torch.tensor(prompts, device=device)
     training = ["bf16_head", "fp32_head", *(["fp32_head_tf32"] if device == "cuda" else []), "eager_attention"]
     scores: dict[str, dict[str, torch.Tensor]] = {variant: {} for variant in samples}

@@ -1,7 +1,8 @@
 """The generation weights a rollout engine decodes with: a snapshot of the training model in the generation dtype.
 
-LoRA deltas are merged (in float32, rounded once), q/k/v and gate/up are concatenated (one matrix product each per layer), and later syncs copy
-into the same tensors, so CUDA graphs captured over them stay valid across optimizer steps.
+LoRA deltas are merged (in float32, rounded once), q/k/v and gate/up are concatenated (one matrix product each per
+layer), and later syncs copy into the same tensors, so CUDA graphs captured over them stay valid across optimizer
+steps.
 """
 
 from __future__ import annotations

@@ -131,7 +131,8 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             (MIS / IcePop), `"sequence_truncate"` / `"sequence_mask"` the same with ρ the geometric mean of the
             sequence's token ratios. `None`: no correction.
         rollout_correction_max (`float`, *optional*, defaults to `2.0`):
-            The cap (truncate) or upper end of the band (mask); at least 1. TIS uses 2, IcePop 5.
+            The cap (truncate) or upper end of the band (mask); at least 1. verl's default cap is 2, IcePop's band
+            ends at 5.
         rollout_correction_min (`float` or `None`, *optional*, defaults to `None`):
             The lower end: truncate clamps ρ from below at it too, mask drops tokens below it. `None`: no lower cap
             when truncating (TIS caps from above only), `1 / rollout_correction_max` when masking. IcePop uses 0.5.
@@ -344,7 +345,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 "rollout_correction_max",
                 self.rollout_correction_max,
                 "the cap or the band's upper end must be at least 1 (a token both engines agree on has weight 1); "
-                "TIS uses 2.0, IcePop 5.0.",
+                "verl's default cap is 2.0, IcePop's band ends at 5.0.",
             )
         if self.rollout_correction_min is not None and not 0.0 <= self.rollout_correction_min <= 1.0:
             raise _bad(

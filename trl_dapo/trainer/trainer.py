@@ -1,5 +1,5 @@
-"""`DAPOTrainer`: TRL's `GRPOTrainer` with the DAPO loss, ratios against the rollout (or recomputed) policy, an exact token-mean and dynamic
-sampling.
+"""`DAPOTrainer`: TRL's `GRPOTrainer` with the DAPO loss, ratios against the rollout (or recomputed) policy, an exact
+token-mean and dynamic sampling.
 
 Hooks overridden, and why:
 - `_calculate_rewards`: check the rewards and hand the raw per-function values (with each completion's length and
@@ -318,9 +318,8 @@ class DAPOTrainer(GRPOTrainer):
             return F.pad(logprobs[:, :width], (0, max(0, width - logprobs.size(1)))), recomputed
         if "sampling_per_token_logps" in output:
             return output["sampling_per_token_logps"], recomputed
-        if (
-            recomputed is None
-        ):  # TRL's generation path: the training model sampled, so its forward pass is the policy's
+        if recomputed is None:
+            # TRL's generation path: the training model itself sampled, so its forward pass gives the policy's logprobs
             recomputed = self._no_grad_logprobs(output)
         return recomputed, recomputed
 
