@@ -32,7 +32,7 @@ import re
 import traceback
 
 import torch
-from result_file import ResultFile, default_output
+from result_file import ResultFile, default_output, finish
 from timing import copy_bandwidth, timed_call
 from workload import (
     EOS_TOKEN_ID,
@@ -42,6 +42,7 @@ from workload import (
     kv_bytes_per_token,
     random_model,
     token_prompts,
+    with_lora,
 )
 
 from trl_dapo.rollout import SamplingSettings
@@ -264,11 +265,7 @@ def run_engine(engine: str, model, shapes: list[Shape], setup: dict, args, recor
 
 def build_model(name: str, lora: bool, device: str, dtype: torch.dtype):
     model = random_model(config_path(name), device, dtype).eval()
-    if not lora:
-        return model
-    from peft import LoraConfig, get_peft_model
-
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")).eval()
+    return with_lora(model, rank=16) if lora else model
 
 
 def model_runs(shapes: list[Shape], args) -> dict[tuple[str, bool], list[Shape]]:
@@ -367,10 +364,7 @@ def main() -> None:
             failures += run_engine(engine, model, runs, setup, args, record={"model": label}, save=save)
         del model
         release_memory()
-    print(table(results))
-    print(f"wrote {output.path}")
-    if failures:
-        raise SystemExit(f"{failures} measurement(s) failed (see the tracebacks above)")
+    finish(table(results), output.path, failures, "measurement(s)")
 
 
 if __name__ == "__main__":

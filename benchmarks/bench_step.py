@@ -1,5 +1,5 @@
-"""DAPOTrainer against TRL's GRPOTrainer, step for step, on one device; DAPO with gradient checkpointing and LoRA;
-training MFU and decode bandwidth use against the measured hardware ceilings.
+"""DAPOTrainer against TRL's GRPOTrainer, step for step, on one device; DAPO with gradient checkpointing, with LoRA and
+with the old policy recomputed; training MFU and decode bandwidth use against the measured hardware ceilings.
 
     python benchmarks/bench_step.py                       # CUDA: Qwen2.5-0.5B and 1.5B architectures, random init
     python benchmarks/bench_step.py --variable-lengths    # CUDA: 0.5B, 2,048-token vocabulary, up to 4,096 tokens
@@ -68,19 +68,21 @@ def step_comparison(
 
 
 def engine_variants(config, tokenizer, setup, warmup: int, steps: int) -> dict:
-    """The DAPO step with gradient checkpointing on, and with a LoRA adapter (merged into the engine's snapshot)."""
+    """The DAPO step with gradient checkpointing on, with a LoRA adapter (merged into the engine's snapshot), and with
+    the old policy recomputed by the training model (its pass is `logprob_pass_s`) under a TIS correction."""
     from peft import LoraConfig
 
     dataset = prompts(4 * setup["rows_per_step"], vocab_size=len(tokenizer))
     variants = {
         "gradient_checkpointing": ({"gradient_checkpointing": True}, None),
         "lora_r16_all_linear": ({"learning_rate": 1e-5}, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")),
+        "recompute_old_logprobs": ({"old_logprobs": "recompute", "rollout_correction": "token_truncate"}, None),
     }
     out = {}
     for name, (extra, peft_config) in variants.items():
         model = random_model(config, setup["device"], setup["dtype"])
         result = run_trainer("dapo", model, tokenizer, dataset, setup, warmup, steps, peft_config=peft_config, **extra)
-        keys = ("step_s", "generation_s", "train_s", "generation_tokens_per_s", "peak_memory_gib")
+        keys = ("step_s", "generation_s", "logprob_pass_s", "train_s", "generation_tokens_per_s", "peak_memory_gib")
         out[name] = {key: result[key] for key in (*keys, "rollout_engine", "logprob_gap_max")}
         del model
     return out
@@ -148,6 +150,7 @@ def table(results: dict) -> str:
     for name, r in results.get("variants", {}).items():
         lines.append(
             f"- DAPO with {name}: step {r['step_s']:.3f} s, generation {r['generation_tokens_per_s']:.0f} tok/s, "
+            f"logprob pass {r['logprob_pass_s']:.3f} s, "
             f"peak {r['peak_memory_gib'] or 0:.1f} GiB, engine {r['rollout_engine']}, "
             f"logprob gap max {r['logprob_gap_max']}"
         )
@@ -173,8 +176,8 @@ def main() -> None:
     parser.add_argument("--warmup", nargs="*", default=None, help="warm-up steps, as --steps; default 1")
     parser.add_argument(
         "--sections", nargs="*", default=None, choices=["comparison", "variants"],
-        help="comparison: TRL vs DAPO step; variants: DAPO with gradient checkpointing / LoRA (default: both; "
-        "comparison with --variable-lengths)",
+        help="comparison: TRL vs DAPO step; variants: DAPO with gradient checkpointing / LoRA / the old policy "
+        "recomputed (default: both; comparison with --variable-lengths)",
     )  # fmt: skip
     parser.add_argument(
         "--kinds", nargs="*", choices=list(COMPARISON_KINDS), default=None,

@@ -53,3 +53,11 @@ class ResultFile:
 
 def default_output(script: str, tiny: bool, device: str) -> Path:
     return HERE / "results" / f"{script}_{'tiny' if tiny else device}.json"
+
+
+def finish(table: str, path: Path, failures: int, what: str) -> None:
+    """Print the last table and where the results are; exit non-zero when `failures` of `what` failed."""
+    print(table)
+    print(f"wrote {path}")
+    if failures:
+        raise SystemExit(f"{failures} {what} failed (see the tracebacks above)")

@@ -41,6 +41,19 @@ def random_model(config_path: Path, device: str, dtype: torch.dtype | None, seed
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
+def with_lora(model, rank: int, b_std: float = 0.0):
+    """`model` wrapped in a LoRA adapter of `rank` on every linear layer (alpha = 2 x rank). PEFT starts B at zero, a
+    no-op adapter; `b_std > 0` draws B from N(0, b_std²), so the adapter changes the weights as a trained one does."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")).eval()
+    if b_std:
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(parameter, std=b_std)
+    return model
+
+
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """One token per word `t<i>` for every id of the model's vocabulary, so any sampled id decodes."""
     vocab = {"<|endoftext|>": PAD_TOKEN_ID, "<|im_start|>": 1, "<|im_end|>": EOS_TOKEN_ID}

@@ -3,7 +3,8 @@
 - `scripted`: one step on a scripted rollout where dynamic sampling filters and draws extra rounds;
 - `partial`: dynamic sampling finds fewer informative groups than the batch needs (train_on_partial), so each rank
   holds fewer rows than micro-batches and some micro-batches are empty;
-- `defaults`: `DAPOConfig`'s defaults (16 samples per prompt, 16 completions per device) with real generation.
+- `defaults`: `DAPOConfig`'s defaults (16 samples per prompt, 16 completions per device) with real generation;
+- `recomputed`: `scripted` with the old policy recomputed on each rank's rows and a sequence-level correction.
 
 Writes, per set-up, the updated parameters, the accepted rollout rows (before the micro-batch shuffle) and the
 logged metrics, so the test can compare a 2-process run with a 1-process run of the same global batch.
@@ -53,6 +54,15 @@ def trainers(model_path: str, output: str, world: int) -> dict[str, RecordingDAP
         **common,
     )
     defaults = DAPOConfig(output_dir=output + ".defaults", max_completion_length=8, max_steps=1, **CPU_ARGS)
+    recomputed = dapo_args(
+        output + ".recomputed",
+        per_device_train_batch_size=16 // world,
+        gradient_accumulation_steps=2,
+        old_logprobs="recompute",
+        rollout_correction="sequence_truncate",
+        rollout_correction_max=1.05,
+        **common,
+    )
     scripted_run = dict(reward_funcs=reward_by_prompt, train_dataset=arithmetic_prompts(40), rollout_func=rollout)
     return {
         "scripted": RecordingDAPOTrainer(model=model_path, args=scripted, **scripted_run),
@@ -60,6 +70,7 @@ def trainers(model_path: str, output: str, world: int) -> dict[str, RecordingDAP
         "defaults": RecordingDAPOTrainer(
             model=model_path, reward_funcs=first_token_parity, args=defaults, train_dataset=arithmetic_prompts(40)
         ),
+        "recomputed": RecordingDAPOTrainer(model=model_path, args=recomputed, **scripted_run),
     }
 
 

@@ -42,7 +42,9 @@ def test_bench_step_tiny_writes_finite_ratios(tmp_path):
         # a profile of the first measured step of each trainer
         report = (tmp_path / f"profile_tiny_{kind}.txt").read_text()
         assert "aten::mm" in report and "(_generate_and_score_completions)" in report
-    assert set(results["variants"]) == {"gradient_checkpointing", "lora_r16_all_linear"}
+    variants = results["variants"]
+    assert set(variants) == {"gradient_checkpointing", "lora_r16_all_linear", "recompute_old_logprobs"}
+    assert all(math.isfinite(r["logprob_pass_s"]) for r in variants.values())
 
 
 def test_bench_step_variable_lengths_counts_generated_tokens(tmp_path):
@@ -134,3 +136,26 @@ def test_multi_gpu_rollout_bench_on_cpu_processes(tmp_path):
         assert row["generation_tokens_per_s"] == 16 * 4 / row["generation_s"]  # both ranks' tokens
         assert row["logprob_gap_max"] < 0.05
     assert "| cpu_ddp | engine | 2 |" in result.stdout
+
+
+def test_check_logprob_gap_tiny_scores_every_sampled_token_and_agrees_in_float32(tmp_path):
+    stdout, results = run_tiny("check_logprob_gap", tmp_path, "--rows", "16", "--new-tokens", "40")
+    assert "| tiny | bf16_logits | bf16_head |" in stdout
+    for spec in ("tiny", "tiny:lora4"):
+        out = results["models"][spec]
+        assert "errors" not in out and "error" not in out, out
+        lora = {"lora_merged_twice"} if spec == "tiny:lora4" else set()
+        assert set(out["gaps"]) == {"bf16_logits", "fp32_logits"} | lora  # no Triton kernel to compare on the CPU
+        for engine, by_training in out["gaps"].items():
+            reference = set() if engine in lora else {"fp32_model"}
+            assert set(by_training) == {"bf16_head", "fp32_head", "eager_attention"} | reference
+            for r in by_training.values():
+                assert r["tokens"] == out["sampled_tokens"][engine]  # every sampled token, no padding
+                # float32 on the CPU: the engine's logprobs are the training forward's, up to summation order
+                assert r["gap_max"] < 1e-5 and r["outside_clip_share"] == 0
+        # the model is float32 already, so TRL's default forward is the float32 reference itself
+        assert out["reference_gaps"]["bf16_logits"]["bf16_head"]["gap_max"] == 0
+        assert all(seconds > 0 for seconds in out["score_s"].values()) and out["recompute_over_generation"] > 0
+        assert set(out["before_after"]) == {"gap_mean", "gap_max", "kl_k3", "outside_clip_share"}
+    merge = results["models"]["tiny:lora4"]["lora_merge"]
+    assert merge["differing_share"] == 0 and merge["rounded_once_error"] == merge["rounded_twice_error"]  # float32

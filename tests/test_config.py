@@ -106,11 +106,48 @@ def test_oversample_accepts_auto_and_numbers():
             dict(gradient_accumulation_steps=2, steps_per_generation=3, per_device_train_batch_size=16),
             "steps_per_generation=",
         ),
+        (dict(old_logprobs="training"), "old_logprobs="),
+        (dict(old_logprobs="recompute", rollout_correction="geometric_mask"), "rollout_correction="),
+        (
+            dict(old_logprobs="recompute", rollout_correction="token_mask", rollout_correction_max=0.9),
+            "rollout_correction_max=",
+        ),
+        (
+            dict(old_logprobs="recompute", rollout_correction="token_mask", rollout_correction_min=1.5),
+            "rollout_correction_min=",
+        ),
     ],
 )
 def test_invalid_settings_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=f"DAPOConfig.{field}"):
         make(**overrides)
+
+
+def test_a_rollout_correction_needs_the_recomputed_old_policy():
+    with pytest.raises(
+        ValueError, match=r"rollout_correction='token_truncate' is invalid: .* old_logprobs='recompute'"
+    ):
+        make(rollout_correction="token_truncate")
+    config = make(old_logprobs="recompute", rollout_correction="token_mask", rollout_correction_min=0.5)
+    assert (config.rollout_correction, config.rollout_correction_max, config.rollout_correction_min) == (
+        "token_mask",
+        2.0,
+        0.5,
+    )
+
+
+@pytest.mark.parametrize("threshold", [dict(rollout_correction_max=5.0), dict(rollout_correction_min=0.5)])
+def test_a_correction_threshold_without_a_correction_is_not_ignored(threshold):
+    (name,) = threshold
+    with pytest.raises(ValueError, match=rf"DAPOConfig.{name}=.* it only acts with a rollout_correction"):
+        make(old_logprobs="recompute", **threshold)
+
+
+def test_trls_vllm_correction_fields_point_at_dapos_own():
+    with pytest.raises(
+        ValueError, match=r"vllm_importance_sampling_mode=.*old_logprobs='recompute' with rollout_corr"
+    ):
+        make(vllm_importance_sampling_mode="token_truncate")
 
 
 def test_batch_scaled_rewards_are_fine_without_dynamic_sampling():

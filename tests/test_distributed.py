@@ -64,3 +64,15 @@ def test_the_default_config_trains_on_one_and_two_processes(runs):
     assert (one["generation_batch_size"], two["generation_batch_size"]) == (16, 32)  # 16 per process
     assert one["global_step"] == two["global_step"] == 1
     assert two["metrics"][0]["dapo/generated_groups"] >= 2
+
+
+@pytest.mark.distributed
+def test_the_recomputed_old_policy_and_its_correction_make_the_same_update_on_two_ranks(runs, tiny_model):
+    """Each rank recomputes the old policy of its own rows: the update must not depend on the split, and must differ
+    from the one against the scripted rollout's logprobs (the same rows, `scripted`)."""
+    one, two = (run["recomputed"] for run in runs)
+    assert one["rows"] == two["rows"] == runs[0]["scripted"]["rows"]
+    assert two["metrics"][0]["rollout_correction/token_fraction"] > 0  # the correction acted
+    assert_same_update(one, two, tiny_model)
+    against_rollout = runs[0]["scripted"]["parameters"]
+    assert max((one["parameters"][k] - p).abs().max().item() for k, p in against_rollout.items()) > 1e-4

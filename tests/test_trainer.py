@@ -13,10 +13,11 @@ from trl_dapo import DAPOTrainer
 from trl_dapo.integrity import RolloutIntegrityError
 from trl_dapo.rewards import soft_overlong_penalty
 from trl_dapo.sampling import DynamicSamplingLimitError
+from trl_dapo.sampling.rollout_batch import OLD_LOGPROBS_STEP
 from trl_dapo.testing import ScriptedRollout
 from trl_dapo.trainer.batch_metrics import trained_batch_metric_names
 from trl_dapo.trainer.handoff import HandOff
-from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE, _RoundProgress
+from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE, STEP_TOKENS, _RoundProgress
 
 DAPO_METRICS = [
     "clip_ratio/low_mean",
@@ -28,6 +29,8 @@ DAPO_METRICS = [
     "rollout_logprobs_mean",
     "train_logprobs_mean",
     "logprob_gap_max",
+    "logprob_gap_mean",
+    "rollout_kl",
     "dapo/gen_batches",
     "dapo/generated_groups",
     "dapo/qualified_groups",
@@ -505,3 +508,114 @@ def test_a_hand_off_is_read_once_and_never_stale():
     with pytest.raises(RuntimeError, match="round scores: the value of the previous rollout was never used"):
         slot.put(2)
     assert slot.take() == 1 and slot.take_if_any() is None
+
+
+def teacher_forced_logprobs(model, batch) -> torch.Tensor:
+    """log_softmax of a plain transformers forward at each completion token: an independent computation of what the
+    training model assigns to the sampled tokens."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    width = batch["completion_ids"].size(1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, -width - 1 : -1]
+    return logits.log_softmax(-1).gather(2, batch["completion_ids"].unsqueeze(2)).squeeze(2)
+
+
+def hand_weights(mode, log_rho, mask):
+    """The correction weights and the tokens they cap or mask, as the docs define them: TIS capped at 1.1; a
+    sequence's geometric-mean ratio kept inside [1/1.05, 1.05], its tokens dropped outside."""
+    if mode == "token_truncate":
+        return log_rho.exp().clamp(max=1.1) * mask, (log_rho.exp() > 1.1) * mask
+    geometric = ((log_rho * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True)).exp()
+    kept = (geometric >= 1 / 1.05) & (geometric <= 1.05)
+    return geometric * kept * mask, ~kept * mask
+
+
+@pytest.mark.parametrize(("mode", "cap"), [("token_truncate", 1.1), ("sequence_mask", 1.05)])
+def test_the_recomputed_old_policy_and_its_correction_reach_the_loss(tiny_model, tmp_path, mode, cap):
+    """A scripted rollout's logprobs (-5.9 +- 0.25) are not the model's. With old_logprobs='recompute' the old policy
+    must be the model's own logprobs (the ratio of the single update is then 1), the rollout's kept apart, and the loss
+    -Σ w·A / N with the weights of the correction, which must differ from the uncorrected -Σ A / N."""
+    trainer = make_trainer(
+        tiny_model, tmp_path, scripted=True, dynamic_sampling=False, overlong_buffer_len=0, max_steps=1,
+        old_logprobs="recompute", rollout_correction=mode, rollout_correction_max=cap,
+    )  # fmt: skip
+    trainer.train()
+    (batch,) = trainer._buffered_inputs
+    mask = batch["completion_mask"].float()
+    old, sampled = batch["old_per_token_logps"], batch["sampling_per_token_logps"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    torch.testing.assert_close(old * mask, teacher_forced_logprobs(model, batch) * mask, atol=1e-5, rtol=1e-5)
+    scripted_values = -5.9 + torch.arange(-5, 6) / 20
+    assert ((sampled.unsqueeze(-1) - scripted_values).abs().min(dim=-1).values * mask).max() < 1e-6
+    weights, corrected = hand_weights(mode, old - sampled, mask)
+    assert 0 < corrected.sum() < mask.sum()  # the correction acts on some tokens, not all
+    advantages = batch["advantages"].unsqueeze(1)
+    expected, uncorrected = (-(weights * advantages).sum() / mask.sum()), (-(advantages * mask).sum() / mask.sum())
+    (metrics,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert metrics["loss"] == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)
+    assert abs(expected - uncorrected) > 1e-3
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and metrics["ratio_std"] < 1e-5
+    assert metrics["rollout_correction/token_fraction"] == pytest.approx((corrected.sum() / mask.sum()).item())
+    assert metrics["old_logprob_gap_mean"] == pytest.approx(((old - sampled).abs().sum() / mask.sum()).item())
+
+
+def test_recompute_reuses_trls_pass_and_refreshes_surplus_rows(tiny_model, tmp_path):
+    """steps_per_generation 2 > gradient_accumulation_steps 1: TRL runs its own old-logprob pass on each round. The
+    first round (8 informative groups for 4 wanted) must take TRL's pass as its old policy with no second pass; the
+    next generation batch is the 4 surplus groups, whose old policy must be recomputed, under the weights after the
+    two updates in between, and nothing else."""
+    no_grad_calls = []
+    trainer = make_trainer(
+        tiny_model, tmp_path, reward=alternating, scripted=True, overlong_buffer_len=0, steps_per_generation=2,
+        dynamic_sampling_oversample="2.0", max_steps=3, old_logprobs="recompute",
+    )  # fmt: skip
+    forward = trainer._get_per_token_logps_and_entropies
+
+    def counted(model, input_ids, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            no_grad_calls.append((trainer.state.global_step, input_ids.size(0)))
+        return forward(model, input_ids, *args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = counted
+    snapshots = Snapshots()
+    trainer.add_callback(snapshots)
+    trainer.train()
+    assert logged(trainer, "dapo/surplus_groups_used") == [0, 4]
+    assert no_grad_calls == [(0, 32), (2, 16)]  # TRL's pass over the round; ours over the surplus rows only
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model.load_state_dict(snapshots.steps[1][0], strict=False)  # the weights after two updates
+    for batch in trainer._buffered_inputs:
+        mask = batch["completion_mask"].float()
+        expected = teacher_forced_logprobs(model, batch) * mask
+        torch.testing.assert_close(batch["old_per_token_logps"] * mask, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_every_rank_runs_the_recompute_pass_over_as_many_rows(tiny_model, tmp_path, monkeypatch):
+    """A sharded model (ZeRO-3, FSDP) gathers weights in each forward with every rank taking part, so a rank with 2
+    stale rows must run over as many rows as the rank that needs most (6 here, that rank emulated by the max
+    reduction): its 2 stale rows are recomputed, the 4 fillers are computed and their logprobs kept."""
+    trainer = make_trainer(
+        tiny_model, tmp_path, scripted=True, dynamic_sampling=False, max_steps=1, old_logprobs="recompute"
+    )
+    trainer.train()
+    (batch,) = trainer._buffered_inputs
+    mask = batch["completion_mask"].float()
+    step = trainer.state.global_step
+    kept = torch.full_like(mask, -1.0) * mask  # a value no forward pass gives, on the rows that keep theirs
+    batch = {k: v for k, v in batch.items() if k != STEP_TOKENS}  # as it is before the micro-batch split
+    batch.update(old_per_token_logps=kept, **{OLD_LOGPROBS_STEP: torch.tensor([step] * 2 + [-1] * 2 + [step] * 4)})
+    forwarded = []
+    forward = trainer._get_per_token_logps_and_entropies
+
+    def counted(model, input_ids, *args, **kwargs):
+        forwarded.append(input_ids.size(0))
+        return forward(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", counted)
+    monkeypatch.setattr(trainer.accelerator, "reduce", lambda tensor, reduction: torch.tensor(6))
+    old = trainer._with_old_policy(batch)["old_per_token_logps"]
+    assert forwarded == [6]
+    expected = teacher_forced_logprobs(trainer.model, batch) * mask
+    torch.testing.assert_close(old[2:4], expected[2:4], atol=1e-5, rtol=1e-5)
+    assert torch.equal(old[[0, 1, 4, 5, 6, 7]], kept[[0, 1, 4, 5, 6, 7]])

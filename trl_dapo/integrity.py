@@ -59,19 +59,21 @@ def check_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_genera
 def check_completions(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
-    old_per_token_logps: torch.Tensor,
+    logprobs: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
+    name: str = "old_per_token_logps",
 ) -> None:
-    """Completion ids, mask and rollout logprobs align token for token; logprobs are finite wherever they count
-    (`loss_mask`, default the completion mask: tool or environment tokens were not sampled and carry none)."""
+    """Completion ids, mask and rollout logprobs (`name` in the batch) align token for token; logprobs are finite
+    wherever they count (`loss_mask`, default the completion mask: tool or environment tokens were not sampled and
+    carry none)."""
     if completion_mask.shape != completion_ids.shape:
         raise RolloutIntegrityError(
             f"completion_mask: shape {tuple(completion_mask.shape)} differs from completion_ids "
             f"{tuple(completion_ids.shape)}; the mask needs one entry per completion token."
         )
-    if old_per_token_logps.shape != completion_ids.shape:
+    if logprobs.shape != completion_ids.shape:
         raise RolloutIntegrityError(
-            f"old_per_token_logps: shape {tuple(old_per_token_logps.shape)} differs from completion_ids "
+            f"{name}: shape {tuple(logprobs.shape)} differs from completion_ids "
             f"{tuple(completion_ids.shape)}; the rollout must return one logprob per generated token."
         )
     mask = completion_mask.bool()
@@ -82,11 +84,11 @@ def check_completions(
             f"completion_mask: row {row} has active tokens after padding; completions must be right-padded."
         )
     counted = mask if loss_mask is None else loss_mask.bool()
-    bad = counted & ~torch.isfinite(old_per_token_logps)
+    bad = counted & ~torch.isfinite(logprobs)
     if bad.any():
         row, col = (int(i) for i in bad.nonzero()[0])
         raise RolloutIntegrityError(
-            f"old_per_token_logps: value {old_per_token_logps[row, col].item()} at completion {row}, token {col} is "
+            f"{name}: value {logprobs[row, col].item()} at completion {row}, token {col} is "
             "not finite; the rollout engine must return a logprob for every sampled token (for vLLM, request "
             "logprobs of the sampled tokens)."
         )

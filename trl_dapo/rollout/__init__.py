@@ -19,6 +19,8 @@ SUPPORTED_GENERATION_KWARGS = {"min_new_tokens", "max_new_tokens", "do_sample", 
 
 
 def sampling_settings(args) -> SamplingSettings:
+    """The engines' sampling settings from a `DAPOConfig`; the head's logits take the precision the training forward's
+    do (`cast_lm_head_to_fp32`), so the two compute the same logprobs up to the layers' rounding."""
     kwargs = args.generation_kwargs or {}
     return SamplingSettings(
         max_new_tokens=kwargs.get("max_new_tokens", args.max_completion_length),
@@ -27,6 +29,7 @@ def sampling_settings(args) -> SamplingSettings:
         top_k=kwargs.get("top_k", args.top_k) or 0,
         min_new_tokens=kwargs.get("min_new_tokens", 0),
         greedy=kwargs.get("do_sample", True) is False,
+        fp32_logits=args.cast_lm_head_to_fp32,
     )
 
 

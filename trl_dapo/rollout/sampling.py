@@ -3,7 +3,9 @@
 Sampling is Gumbel-max over `logits / temperature` after top-k / top-p truncation: the same distribution as softmax
 sampling, with no host synchronisation, so it can run inside a CUDA graph. The logprob returned for each sampled
 token is `log_softmax(logits / temperature)` over the full vocabulary, the quantity TRL's training forward computes,
-so it is the old policy directly.
+so it is the old policy directly. The logits are computed in the precision the training forward's head uses: rounded
+to the weights' dtype (bf16) like TRL's default head, or kept in float32 (`fp32_logits`) like its head with
+`cast_lm_head_to_fp32=True`; two heads that round differently disagree by up to half a bf16 step of each logit.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class SamplingSettings:
     top_k: int = 0
     min_new_tokens: int = 0
     greedy: bool = False
+    fp32_logits: bool = False  # float32 logits from the bf16 head, accumulated without rounding them to bf16
 
 
 def sampling_noise(rows: int, vocab_size: int, settings: SamplingSettings, device) -> torch.Tensor | None:
@@ -43,7 +46,7 @@ def pick_tokens(
     hidden (rows, hidden), lm_head (vocab, hidden), noise (rows, vocab) uniform or None (greedy), eos (n,) ids,
     generated (rows,) or a scalar: tokens each row has generated so far.
     """
-    logits = F.linear(hidden, lm_head).float()
+    logits = head_logits(hidden, lm_head, settings.fp32_logits)
     if settings.min_new_tokens:
         blocked = (generated < settings.min_new_tokens).float() * -1e9
         logits[:, eos] += blocked.reshape(-1, 1) if blocked.dim() else blocked
@@ -57,6 +60,18 @@ def pick_tokens(
         candidates = truncate(logits, settings)
     token = (candidates - torch.log(-torch.log(noise.clamp(1e-10, 1.0)))).argmax(dim=-1)
     return token, logprobs.gather(1, token[:, None]).squeeze(1)
+
+
+def head_logits(hidden: torch.Tensor, lm_head: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """Float32 logits of `hidden` (rows, hidden) under `lm_head` (vocab, hidden). Unless `fp32`, the product is
+    rounded to the weights' dtype first. With `fp32`, the bf16 products accumulate into float32 outputs: on CUDA one
+    matrix product with a float32 output (no float32 copy of the head, the same bytes read as in bf16), elsewhere
+    through float32 copies (on the CPU the engine runs in float32 anyway)."""
+    if not fp32 or lm_head.dtype == torch.float32:
+        return F.linear(hidden, lm_head).float()
+    if hidden.device.type == "cuda":
+        return torch.mm(hidden, lm_head.t(), out_dtype=torch.float32)
+    return F.linear(hidden.float(), lm_head.float())
 
 
 def truncate(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:

@@ -18,11 +18,16 @@ PADDED_KEYS: dict[str, tuple[str, float | str]] = {
     "completion_ids": ("right", "pad_token"),
     "completion_mask": ("right", 0),
     "tool_mask": ("right", 1),
-    "old_per_token_logps": ("right", 0.0),
+    "old_per_token_logps": ("right", 0.0),  # the old policy of the ratio
+    "sampling_per_token_logps": ("right", 0.0),  # the rollout's, when the old policy is recomputed (TRL's name)
 }
+LOGPROB_KEYS = ("old_per_token_logps", "sampling_per_token_logps")
+# With old_logprobs="recompute": the optimizer step whose weights computed a row's `old_per_token_logps` (-1: not yet),
+# so rows that TRL's own pass already covered are not recomputed, and surplus rows of an earlier step are.
+OLD_LOGPROBS_STEP = "old_logprobs_step"
 # One value (or one row of values) per completion: its advantage, and what the trained-batch metrics read (the
 # per-function rewards, the completion length in model tokens, whether it was cut at max_completion_length).
-ROW_KEYS = ("advantages", "rewards", "completion_lengths", "truncated")
+ROW_KEYS = ("advantages", "rewards", "completion_lengths", "truncated", OLD_LOGPROBS_STEP)
 ROLLOUT_KEYS = (*PADDED_KEYS, *ROW_KEYS)
 
 RolloutBatch = dict[str, torch.Tensor]
@@ -113,6 +118,11 @@ def loss_mask(batch: RolloutBatch) -> torch.Tensor:
     The one rule for the loss, its token-mean denominator, the logprob checks and every per-token metric."""
     mask = batch["completion_mask"]
     return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+
+
+def rollout_logprobs(batch: RolloutBatch) -> torch.Tensor:
+    """The logprobs of the policy that sampled: kept apart when the old policy was recomputed, else the old policy."""
+    return batch.get("sampling_per_token_logps", batch["old_per_token_logps"])
 
 
 def count_loss_tokens(batch: RolloutBatch) -> torch.Tensor:

@@ -10,9 +10,12 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 from trl import GRPOConfig
 
 from .grpo_fields import unhonoured_settings
+from .mismatch import CORRECTION_MODES
 
 ON_LIMIT_CHOICES = ("raise", "train_on_partial")
 ROLLOUT_ENGINES = ("auto", "paged", "static", "trl")
+OLD_LOGPROBS_CHOICES = ("rollout", "recompute")
+DEFAULT_CORRECTION_MAX = 2.0
 
 
 def _bad(name: str, value: object, fix: str) -> ValueError:
@@ -67,7 +70,8 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             soft overlong punishment below instead.
         vllm_importance_sampling_correction (`bool`, *optional*, defaults to `False`):
             With vLLM, its sampled logprobs are used directly as the old policy, so TRL's extra correction factor
-            is off.
+            is off. `old_logprobs="recompute"` with `rollout_correction` is the same correction for every generation
+            path (TRL's fields stay rejected).
 
         > Fields added by DAPO
 
@@ -121,6 +125,24 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             training can use that memory.
         rollout_max_rows (`int`, *optional*, defaults to `1024`):
             Decode slots of the engine: rows generated at once, each slot refilled as its row ends.
+        old_logprobs (`str`, *optional*, defaults to `"rollout"`):
+            The old policy π_old of the ratio π_θ / π_old that Clip-Higher and the dual clip act on. `"rollout"`: the
+            logprobs of the policy that sampled, as the generation engine returned them (no extra pass). `"recompute"`:
+            the training model's own logprobs of the sampled tokens, computed once per generation batch before any
+            update (one no-grad forward pass, micro-batched like training; rows whose logprobs TRL's own pass already
+            computed under the current weights keep them), as the reference recipe does. The clip then acts on
+            policy change alone, and `rollout_correction` can correct for the train/rollout mismatch.
+        rollout_correction (`str` or `None`, *optional*, defaults to `None`):
+            With `old_logprobs="recompute"`, each token's clipped loss is weighted (detached) by a function of ρ =
+            π_old / π_rollout: `"token_truncate"` min(ρ_t, max) (TIS), `"token_mask"` ρ_t inside [min, max], 0 outside
+            (MIS / IcePop), `"sequence_truncate"` / `"sequence_mask"` the same with ρ the geometric mean of the
+            sequence's token ratios. `None`: no correction.
+        rollout_correction_max (`float`, *optional*, defaults to `2.0`):
+            The cap (truncate) or upper end of the band (mask); at least 1. verl's default cap is 2, IcePop's band
+            ends at 5.
+        rollout_correction_min (`float` or `None`, *optional*, defaults to `None`):
+            The lower end: truncate clamps ρ from below at it too, mask drops tokens below it. `None`: no lower cap
+            when truncating (TIS caps from above only), `1 / rollout_correction_max` when masking. IcePop uses 0.5.
     """
 
     epsilon: float = field(default=0.2, metadata={"help": "Lower clip range ε_low."})
@@ -170,6 +192,24 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         default=0.85, metadata={"help": "Share of device memory the process may hold while the engine generates."}
     )
     rollout_max_rows: int = field(default=1024, metadata={"help": "Rows the engine decodes at once."})
+    old_logprobs: str = field(
+        default="rollout",
+        metadata={
+            "help": "Old policy of the ratio: the 'rollout' logprobs, or 'recompute' them with the training model.",
+            "choices": OLD_LOGPROBS_CHOICES,
+        },
+    )
+    rollout_correction: str | None = field(
+        default=None,
+        metadata={"help": "With old_logprobs='recompute': 'token_truncate', 'token_mask', 'sequence_truncate', "
+                  "'sequence_mask' or None."},
+    )  # fmt: skip
+    rollout_correction_max: float = field(
+        default=DEFAULT_CORRECTION_MAX, metadata={"help": "Cap (truncate) or upper band end (mask), at least 1."}
+    )
+    rollout_correction_min: float | None = field(
+        default=None, metadata={"help": "Lower cap / band end; None = none (truncate), 1/max (mask)."}
+    )
 
     def __post_init__(self) -> None:
         self._reject_unhonoured_fields()
@@ -289,6 +329,45 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         if self.overlong_penalty_factor < 0:
             raise _bad(
                 "overlong_penalty_factor", self.overlong_penalty_factor, "use a non-negative value (DAPO: 1.0)."
+            )
+        self._validate_old_policy()
+
+    def _validate_old_policy(self) -> None:
+        """The old-policy choice and its rollout correction; a threshold without a correction would be ignored."""
+        if self.old_logprobs not in OLD_LOGPROBS_CHOICES:
+            raise _bad("old_logprobs", self.old_logprobs, f"use one of {OLD_LOGPROBS_CHOICES}.")
+        if self.rollout_correction is None:
+            if self.rollout_correction_max != DEFAULT_CORRECTION_MAX or self.rollout_correction_min is not None:
+                name = "rollout_correction_max" if self.rollout_correction_min is None else "rollout_correction_min"
+                raise _bad(
+                    name,
+                    getattr(self, name),
+                    "it only acts with a rollout_correction: set one (e.g. 'token_truncate') or leave it at its "
+                    "default.",
+                )
+            return
+        if self.rollout_correction not in CORRECTION_MODES:
+            raise _bad("rollout_correction", self.rollout_correction, f"use one of {CORRECTION_MODES} or None.")
+        if self.old_logprobs != "recompute":
+            raise _bad(
+                "rollout_correction",
+                self.rollout_correction,
+                "it weighs tokens by π_old / π_rollout, which needs a recomputed old policy: set "
+                "old_logprobs='recompute' (with the rollout logprobs as the old policy every weight would be 1).",
+            )
+        if not self.rollout_correction_max >= 1.0:
+            raise _bad(
+                "rollout_correction_max",
+                self.rollout_correction_max,
+                "the cap or the band's upper end must be at least 1 (a token both engines agree on has weight 1); "
+                "verl's default cap is 2.0, IcePop's band ends at 5.0.",
+            )
+        if self.rollout_correction_min is not None and not 0.0 <= self.rollout_correction_min <= 1.0:
+            raise _bad(
+                "rollout_correction_min",
+                self.rollout_correction_min,
+                "use a value in [0, 1] (IcePop: 0.5), or None: no lower cap when truncating, 1 / "
+                "rollout_correction_max when masking.",
             )
 
     @staticmethod

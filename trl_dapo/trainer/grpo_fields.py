@@ -77,8 +77,10 @@ HONOURED_FIELDS = frozenset(
 _KL = "DAPO has no KL term and no reference model (use trl.GRPOTrainer for a KL penalty)"
 _ENTROPY = "entropy regularisation is not part of DAPO"
 _VLLM_IS = (
-    "with vLLM, DAPOTrainer takes the ratio against vLLM's sampled logprobs directly (they are the old policy), so "
-    "TRL's correction factor between a recomputed old policy and vLLM's does not apply"
+    "TRL's correction applies to vLLM only; DAPOTrainer's old_logprobs='recompute' with rollout_correction "
+    "('token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'; rollout_correction_max / _min) is the "
+    "same correction for every generation path (its sequence level is the geometric mean of the token ratios, TRL's "
+    "their product): set those instead"
 )
 # Why a field is not honoured, for the error message; fields missing here get a generic reason.
 REASONS = {

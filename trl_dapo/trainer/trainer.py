@@ -1,15 +1,17 @@
-"""`DAPOTrainer`: TRL's `GRPOTrainer` with the DAPO loss, rollout-policy ratios, an exact token-mean and dynamic
-sampling.
+"""`DAPOTrainer`: TRL's `GRPOTrainer` with the DAPO loss, ratios against the rollout (or recomputed) policy, an exact
+token-mean and dynamic sampling.
 
 Hooks overridden, and why:
 - `_calculate_rewards`: check the rewards and hand the raw per-function values (with each completion's length and
   truncation) to the group filter and the trained-batch metrics.
 - `_generate_and_score_completions`: wraps TRL's (never copies it): one call per candidate round, rollout logprobs
-  recorded, the global view filtered by the dynamic-sampling buffer, whole groups re-sharded to the ranks.
+  recorded, the global view filtered by the dynamic-sampling buffer, whole groups re-sharded to the ranks, and with
+  `old_logprobs="recompute"` the old policy recomputed where no pass has computed it yet.
 - `_generate_single_turn`: routes training generation to the static-cache engine when it applies.
 - `_prepare_inputs`: splits a generation batch into micro-batches and gives each the global token count of its own
   optimizer step (TRL divides by the generation batch's average instead).
-- `_compute_loss`: the DAPO loss of `loss.py` on rollout logprobs.
+- `_compute_loss`: the DAPO loss of `loss.py` against the old policy (the rollout logprobs, or the training model's
+  recomputation with an optional rollout correction, `mismatch.py`), and the train/rollout mismatch metrics.
 - `_save_checkpoint` / `_load_optimizer_and_scheduler`: the buffer's surplus and the prompt stream position.
 """
 
@@ -37,6 +39,8 @@ from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
 from ..rollout import sampling_settings, select_rollout_engine
 from ..sampling import DynamicSamplingBuffer, SamplingStats, make_prompt_stream
 from ..sampling.rollout_batch import (
+    LOGPROB_KEYS,
+    OLD_LOGPROBS_STEP,
     PADDED_KEYS,
     ROW_KEYS,
     RolloutBatch,
@@ -44,6 +48,7 @@ from ..sampling.rollout_batch import (
     gather_rollout,
     loss_mask,
     num_rows,
+    rollout_logprobs,
     select_rows,
     shard_rows,
     trim_padding,
@@ -51,7 +56,8 @@ from ..sampling.rollout_batch import (
 from .batch_metrics import trained_batch_metric_names, trained_batch_metrics
 from .config import DAPOConfig
 from .handoff import HandOff
-from .loss import dapo_policy_loss
+from .loss import active_mean, dapo_policy_loss
+from .mismatch import MismatchMetrics, mismatch_metrics, rollout_correction
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +217,7 @@ class DAPOTrainer(GRPOTrainer):
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         if not self.args.dynamic_sampling:
             batch, _ = self._rollout_round(inputs, trained_as_generated=True)
-            return shard_rows(batch, rank, world)
+            return self._with_old_policy(shard_rows(batch, rank, world))
 
         def generate_round(groups: int, round_index: int) -> tuple[RolloutBatch, torch.Tensor]:
             rows = gather_object(inputs) if round_index == 0 else []  # the first round is the dataloader's batch
@@ -231,7 +237,7 @@ class DAPOTrainer(GRPOTrainer):
         self._log_sampling(stats)
         if num_rows(batch):
             self._log_trained_batch(batch)
-        return shard_rows(batch, rank, world)
+        return self._with_old_policy(shard_rows(batch, rank, world))
 
     def _stream_rows(self, groups: int) -> list[dict[str, Any]]:
         """Rows (each prompt repeated `num_generations` times) of the next `groups` prompts of the extra stream."""
@@ -258,19 +264,28 @@ class DAPOTrainer(GRPOTrainer):
                 f"DAPOTrainer handles text rollouts; TRL returned {sorted(unknown)} (multimodal inputs are not "
                 "supported yet)."
             )
-        local = {key: output[key] for key in (*PADDED_KEYS, "advantages") if key in output}
-        local["old_per_token_logps"] = self._rollout_logprobs(output)
+        local = {key: output[key] for key in (*PADDED_KEYS, "advantages") if key in output and key not in LOGPROB_KEYS}
+        sampled, recomputed = self._rollout_logprobs(output)
+        rollout_key = "old_per_token_logps"
+        if self.args.old_logprobs == "recompute":
+            rollout_key = "sampling_per_token_logps"
+            local["old_per_token_logps"] = torch.zeros_like(sampled) if recomputed is None else recomputed
+            step = -1 if recomputed is None else self.state.global_step
+            local[OLD_LOGPROBS_STEP] = torch.full((sampled.size(0),), step, device=sampled.device)
+        local[rollout_key] = sampled
         batch = gather_rollout(local, self.accelerator, self._tokenizer.pad_token_id)
         check_groups(batch["prompt_ids"], batch["prompt_mask"], self.num_generations)
         counted = loss_mask(batch).bool()
-        check_completions(batch["completion_ids"], batch["completion_mask"], batch["old_per_token_logps"], counted)
+        check_completions(batch["completion_ids"], batch["completion_mask"], batch[rollout_key], counted, rollout_key)
         if scores.rewards.size(0) != num_rows(batch):
             raise RolloutIntegrityError(
                 f"rewards: {scores.rewards.size(0)} rows for {num_rows(batch)} completions; each completion needs one "
                 "reward."
             )
         # tokens outside the loss may hold anything (vLLM gives NaN for what it did not score): zero them once here
-        batch["old_per_token_logps"] = torch.where(counted, batch["old_per_token_logps"], 0.0)
+        for key in LOGPROB_KEYS:
+            if key in batch:
+                batch[key] = torch.where(counted, batch[key], 0.0)
         batch["rewards"], batch["truncated"] = scores.rewards, scores.truncated
         batch["completion_lengths"] = self._model_token_counts(batch, scores.completion_lengths)
         self._log_rollout(batch)
@@ -288,31 +303,61 @@ class DAPOTrainer(GRPOTrainer):
         positions = torch.arange(batch["tool_mask"].size(1), device=lengths.device)
         return ((positions < lengths.unsqueeze(1)) & batch["tool_mask"].bool()).sum(dim=1)
 
-    def _rollout_logprobs(self, output: dict[str, Any]) -> torch.Tensor:
-        """Logprobs of the sampled tokens under the policy that sampled them: the old policy of every later ratio.
-
-        From the generation engine when it returns them (vLLM, the rollout engine); otherwise one no-grad forward
-        pass now, before any optimizer step changes the weights.
+    def _rollout_logprobs(self, output: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(sampled, recomputed)` for a round's completions. `sampled`: the logprobs of the sampled tokens under the
+        policy that sampled them, the old policy of every later ratio unless `old_logprobs="recompute"`; from the
+        generation engine when it returns them (vLLM, a `rollout_func`, trl-dapo's engines), otherwise one no-grad
+        forward pass now, before any optimizer step changes the weights. `recomputed`: the training model's own
+        logprobs of them under the current weights when a pass has computed them (TRL's, which it runs when steps are
+        misaligned with generation, or that no-grad pass), else None.
         """
+        recomputed = output.get("old_per_token_logps")
         logprobs = self._engine_logprobs.take_if_any()
         if logprobs is not None:
             width = output["completion_ids"].size(1)
-            return F.pad(logprobs[:, :width], (0, max(0, width - logprobs.size(1))))
+            return F.pad(logprobs[:, :width], (0, max(0, width - logprobs.size(1)))), recomputed
         if "sampling_per_token_logps" in output:
-            return output["sampling_per_token_logps"]
-        if "old_per_token_logps" in output:  # TRL already ran that forward pass (steps misaligned with generation)
-            return output["old_per_token_logps"]
-        prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            return output["sampling_per_token_logps"], recomputed
+        if recomputed is None:
+            # TRL's generation path: the training model itself sampled, so its forward pass gives the policy's logprobs
+            recomputed = self._no_grad_logprobs(output)
+        return recomputed, recomputed
+
+    def _no_grad_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The training model's logprobs of the completion tokens: one no-grad forward pass, micro-batched like the
+        training forward."""
+        prompt_completion_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model,
                 prompt_completion_ids,
                 attention_mask,
-                output["completion_ids"].size(1),
+                batch["completion_ids"].size(1),
                 batch_size=self.args.per_device_train_batch_size,
             )
         return logps
+
+    def _with_old_policy(self, batch: RolloutBatch) -> RolloutBatch:
+        """With `old_logprobs="recompute"`, this rank's rows get the training model's logprobs under the current
+        weights as their old policy, before any update of the generation batch. Rows whose logprobs a pass of this
+        step's rounds already computed keep them (never computed twice); the others (engine, vLLM or rollout_func
+        rounds, surplus groups of an earlier step) get one no-grad forward pass over their trimmed rows.
+
+        Every rank runs the pass over as many rows, the most any rank needs (its own first, then rows it keeps):
+        a sharded model (ZeRO-3, FSDP) gathers its weights in each forward, with every rank taking part."""
+        if OLD_LOGPROBS_STEP not in batch:
+            return batch
+        stale = batch.pop(OLD_LOGPROBS_STEP) != self.state.global_step
+        count = int(self.accelerator.reduce(stale.sum(), reduction="max"))  # one synchronisation
+        if count:
+            rows = torch.argsort(stale.int(), descending=True, stable=True)[:count]
+            logps = self._no_grad_logprobs(trim_padding([select_rows(batch, rows)])[0])
+            old = batch["old_per_token_logps"]
+            logps = F.pad(logps, (0, old.size(1) - logps.size(1))).to(old.dtype)
+            logps = torch.where(stale[rows].unsqueeze(1), logps, old[rows])
+            batch["old_per_token_logps"] = torch.where(loss_mask(batch).bool(), old.index_copy(0, rows, logps), 0.0)
+        return batch
 
     # ------------------------------------------------------------------------------------------------- metrics
 
@@ -334,7 +379,7 @@ class DAPOTrainer(GRPOTrainer):
         """Rollout metrics of one candidate round, read back in one host synchronisation."""
         mask = loss_mask(batch)
         named = {
-            "rollout_logprobs_mean": (batch["old_per_token_logps"] * mask).sum() / mask.sum().clamp(min=1),
+            "rollout_logprobs_mean": (rollout_logprobs(batch) * mask).sum() / mask.sum().clamp(min=1),
             "dapo/truncated_ratio": batch["truncated"].float().mean(),
         }
         if OVERLONG_REWARD_NAME in self.reward_func_names:
@@ -436,19 +481,42 @@ class DAPOTrainer(GRPOTrainer):
         old_per_token_logps = inputs.get("old_per_token_logps")
         if old_per_token_logps is None:  # evaluation batches are scored on-policy
             old_per_token_logps = per_token_logps.detach()
+        # old_logprobs="recompute": the rollout's logprobs are kept apart (evaluation batches are TRL's own)
+        recomputed = mode == "train" and "sampling_per_token_logps" in inputs
+        sampled = inputs["sampling_per_token_logps"] if recomputed else old_per_token_logps
+        correction = None
+        if recomputed and self.args.rollout_correction is not None:
+            correction = rollout_correction(
+                old_per_token_logps,
+                sampled,
+                mask,
+                self.args.rollout_correction,
+                self.args.rollout_correction_max,
+                self.args.rollout_correction_min,
+            )
         # An evaluation batch (TRL's) is its own step.
         step_tokens = inputs[STEP_TOKENS] if mode == "train" else self.accelerator.reduce(mask.sum().float(), "sum")
         # Each rank divides by its share of the step's global count; DDP's gradient average then gives the
         # exact global token-mean.
+        clips = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, clip_ratio_c=self.args.clip_ratio_c)
         loss, stats = dapo_policy_loss(
             per_token_logps,
             old_per_token_logps,
             inputs["advantages"],
             mask,
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
             num_tokens=step_tokens.clamp(min=1.0) / self.accelerator.num_processes,
-            clip_ratio_c=self.args.clip_ratio_c,
+            token_weights=None if correction is None else correction.weights,
+            **clips,
+        )
+        mismatch = mismatch_metrics(
+            per_token_logps.detach(),
+            old_per_token_logps,
+            sampled,
+            inputs["advantages"],
+            mask,
+            recomputed=recomputed,
+            correction=correction,
+            **clips,
         )
         if self.aux_loss_enabled:
             # TRL's router load-balancing term: its micro-batch mean, averaged over the optimizer step's micro-batches
@@ -456,31 +524,42 @@ class DAPOTrainer(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
         else:
             aux_loss = None
-        self._log_loss_stats(mode, stats, mask, per_token_logps, old_per_token_logps, entropies, aux_loss)
+        self._log_loss_stats(mode, stats, mismatch, mask, per_token_logps, entropies, aux_loss)
         return loss
 
-    def _log_loss_stats(self, mode, stats, mask, per_token_logps, old_per_token_logps, entropies, aux_loss) -> None:
-        """Token-weighted means over all ranks (a rank's mean weighs by its token count), TRL's `aux_loss` (the mean
-        over ranks) and the largest train/rollout logprob gap; one host synchronisation per micro-batch."""
-        count = stats.pop("num_active_tokens")
-        active = mask.to(per_token_logps.dtype)
-        per_token_logps = per_token_logps.detach()
-
-        def active_mean(values: torch.Tensor) -> torch.Tensor:
-            return (values * active).sum() / count.clamp(min=1)
-
-        named = {
+    def _log_loss_stats(
+        self,
+        mode: str,
+        stats: dict[str, torch.Tensor],
+        mismatch: MismatchMetrics,
+        mask: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        entropies: torch.Tensor,
+        aux_loss: torch.Tensor | None,
+    ) -> None:
+        """Token-weighted means over all ranks (a rank's mean weighs by its token count), sequence-weighted ones
+        likewise, the maxima over ranks and TRL's `aux_loss` (the mean over ranks); one host synchronisation per
+        micro-batch."""
+        count, sequences = stats.pop("num_active_tokens"), mismatch.sequences
+        active = mask.bool()
+        token_means = {
             **stats,
-            "train_logprobs_mean": active_mean(per_token_logps),
-            "entropy": active_mean(entropies.detach()),
+            **mismatch.token_means,
+            "train_logprobs_mean": active_mean(per_token_logps.detach(), active),
+            "entropy": active_mean(entropies.detach(), active),
         }
+        weighted = [value.float() * count for value in token_means.values()]
+        weighted += [value.float() * sequences for value in mismatch.sequence_means.values()]
         extra = [] if aux_loss is None else [aux_loss.detach().float()]
-        totals = self.accelerator.reduce(
-            torch.stack([value.float() * count for value in named.values()] + [count, *extra]), reduction="sum"
-        )
-        gap_max = self.accelerator.reduce(((per_token_logps - old_per_token_logps).abs() * active).max(), "max")
-        values = [totals[: len(named)] / totals[len(named)].clamp(min=1), gap_max.float().view(1)]
-        names = [*named, "logprob_gap_max"]
+        totals = self.accelerator.reduce(torch.stack([*weighted, count, sequences, *extra]), reduction="sum")
+        maxima = self.accelerator.reduce(torch.stack(list(mismatch.maxima.values())).float(), reduction="max")
+        tokens, rows = len(token_means), len(mismatch.sequence_means)
+        values = [
+            totals[:tokens] / totals[tokens + rows].clamp(min=1),
+            totals[tokens : tokens + rows] / totals[tokens + rows + 1].clamp(min=1),
+            maxima,
+        ]
+        names = [*token_means, *mismatch.sequence_means, *mismatch.maxima]
         if aux_loss is not None:
             values.append(totals[-1:] / self.accelerator.num_processes)
             names.append("aux_loss")
