@@ -21,6 +21,7 @@ policy of the DAPO ratio.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -113,16 +114,19 @@ class PagedRolloutEngine:
         self.vocab_size = self.snapshot.lm_head.size(0)
         self.eos = torch.tensor(self.eos_token_ids, device=self.device)
         self._rope_length = 0
+        self.warm_steps: set[tuple] = set()  # (bucket, settings) whose decode step has run (compiled, kernels chosen)
         self._use_triton = self.device.type == "cuda" and triton is not None
         self._attention_inputs, self._layer_output, self._pick = self._qkv, self._mlp, pick_tokens
         wanted = cuda_graph if compile_decode is None else compile_decode
         if wanted and self.device.type == "cuda" and triton is None:
             logger.warning("Triton is not installed: the rollout engine decodes with unfused kernels.")
         elif wanted:
-            # one compile serves every layer (same shapes); the sampling head fuses its vocabulary passes
-            self._attention_inputs = torch.compile(self._qkv, fullgraph=True)
-            self._layer_output = torch.compile(self._mlp, fullgraph=True)
-            self._pick = torch.compile(pick_tokens, fullgraph=True)
+            # one compile serves every layer, every row count, cache size and prefill chunk (the sizes that vary are
+            # symbolic; a compile specialised to them would recompile inside the next call, whose pool differs); the
+            # sampling head fuses its vocabulary passes
+            self._attention_inputs = _compile_with_rows(self._qkv, (0, 1, 2, 3, 4, 5))  # x, cos, sin, slots, caches
+            self._layer_output = _compile_with_rows(self._mlp, (0, 1))
+            self._pick = _compile_with_rows(pick_tokens, (0, 2, 5))  # hidden, noise, generated
 
     def sync_weights(self, model) -> None:
         """Copy the training weights into the snapshot the engine reads (once per generation batch)."""
@@ -139,8 +143,9 @@ class PagedRolloutEngine:
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-    def _qkv(self, x, positions, slots, k_cache, v_cache, layer: dict[str, torch.Tensor]):
-        """Rotated q, k, v of tokens x (T, hidden) at `positions`; k and v are also written to cache `slots`."""
+    def _qkv(self, x, cos, sin, slots, k_cache, v_cache, layer: dict[str, torch.Tensor]):
+        """Rotated q, k, v of tokens x (T, hidden) under their positions' rotary `cos`, `sin` (T, head_dim); k and v
+        are also written to cache `slots`."""
         tokens = x.size(0)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = F.linear(self._rms_norm(x, layer["input_norm"]), layer["qkv_weight"], layer["qkv_bias"])
@@ -150,21 +155,26 @@ class PagedRolloutEngine:
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if "q_norm" in layer:  # Qwen3
             q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
         return q, k, v
 
-    def _mlp(self, x, attention, layer: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The rest of a decoder layer: output projection, residual, MLP block."""
-        x = x + F.linear(attention, layer["o_weight"])
+    def _mlp(self, x, attention_out, layer: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The rest of a decoder layer after the output projection: residual, MLP block."""
+        x = x + attention_out
         gate, up = F.linear(self._rms_norm(x, layer["post_norm"]), layer["gate_up_weight"]).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, layer["down_weight"])
 
+    @staticmethod
+    def _output_projection(attention: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(..., heads, head_dim) attention output to (T, hidden), outside the compiled layer: its input is often a
+        view, whose base the compiled code would guard on (and recompile for), and a matrix product is not fused."""
+        return F.linear(attention.reshape(-1, attention.size(-2) * attention.size(-1)), layer["o_weight"])
+
     def _rope_tables(self, length: int) -> None:
-        """cos/sin tables for positions below `length`, at least the model's own maximum (a table that grows makes
-        the compiled layer recompile)."""
+        """cos/sin tables for positions below `length`, at least the model's own maximum (built once)."""
         if self._rope_length >= length:
             return
         length = max(length, getattr(self.snapshot.config, "max_position_embeddings", 0) or 0)
@@ -214,6 +224,20 @@ class PagedRolloutEngine:
         return pages
 
 
+def _compile_with_rows(function, row_arguments: tuple[int, ...]):
+    """`torch.compile(function)` with the first dimension of the positional tensor arguments `row_arguments` (tokens,
+    rows, cache slots) symbolic from the first call; every other size stays specialised."""
+    compiled = torch.compile(function, fullgraph=True)
+
+    def call(*args):
+        for index in row_arguments:
+            if isinstance(args[index], torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(args[index], 0)
+        return compiled(*args)
+
+    return call
+
+
 class _SlotState:
     """Device state of the decode slots; the first `bucket` entries of each tensor are one decode batch."""
 
@@ -253,7 +277,9 @@ class _Generation:
             for _ in engine.snapshot.layers
         ]
         self.slot_count = slot_bucket(min(self.rows, engine.max_rows), engine.max_rows)
-        self.slots = _SlotState(self.slot_count, self.scheduler.max_pages, device)
+        # the table's row stride is a kernel argument: a multiple of 16 keeps Triton's specialisation of it (and so
+        # the kernel a graph captured in an earlier call compiled) the same in every call
+        self.slots = _SlotState(self.slot_count, 16 * math.ceil(self.scheduler.max_pages / 16), device)
         self.out_tokens = torch.zeros(self.rows + 1, self.max_new, dtype=torch.int32, device=device)
         self.out_logprobs = torch.zeros(self.rows + 1, self.max_new, dtype=torch.float32, device=device)
         self.dump_index = self.rows * self.max_new  # the extra row takes idle slots' outputs
@@ -352,7 +378,7 @@ class _Generation:
             slots.positions[:live] = torch.from_numpy(scheduler.positions()).to(device)
             slots.generated[:live] = torch.from_numpy(scheduler.generated[running]).to(device)
             table = torch.from_numpy(scheduler.slot_page_table())
-            slots.page_table[:live] = table.to(device)
+            slots.page_table[:live, : table.size(1)] = table.to(device)
             self.max_length = int(scheduler.page_count[running].max()) * engine.page_size
         self.live = live
 
@@ -407,20 +433,22 @@ class _Generation:
             ids[row, :length] = prefix.tokens
             pages = np.repeat(np.asarray(prefix.pages, dtype=np.int64), page_size)[:length]
             slots[row, :length] = pages * page_size + np.arange(length) % page_size
-        ids_t = torch.from_numpy(ids).to(device).flatten()
-        slots_t = torch.from_numpy(slots).to(device).flatten()
+        # inputs of the compiled layer are never views (a view's base would be guarded on and recompiled for)
+        ids_t = torch.from_numpy(ids.reshape(-1)).to(device)
+        slots_t = torch.from_numpy(slots.reshape(-1)).to(device)
         positions = torch.arange(width, device=device).repeat(count)
+        cos, sin = engine.cos[positions], engine.sin[positions]
         group = engine.num_heads // engine.num_kv_heads
         x = F.embedding(ids_t, engine.snapshot.embed)
         for layer, (k_cache, v_cache) in zip(engine.snapshot.layers, self.caches, strict=True):
-            q, k, v = engine._attention_inputs(x, positions, slots_t, k_cache, v_cache, layer)
+            q, k, v = engine._attention_inputs(x, cos, sin, slots_t, k_cache, v_cache, layer)
             q = q.view(count, width, engine.num_heads, engine.head_dim).transpose(1, 2)
             k = k.view(count, width, engine.num_kv_heads, engine.head_dim).transpose(1, 2)
             v = v.view(count, width, engine.num_kv_heads, engine.head_dim).transpose(1, 2)
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             # right padding: under the causal mask no real token sees a padded one
             attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = engine._layer_output(x, attention.transpose(1, 2).reshape(count * width, -1), layer)
+            x = engine._layer_output(x, engine._output_projection(attention.transpose(1, 2), layer), layer)
         last = torch.from_numpy(np.arange(count) * width + lengths - 1).to(device)
         return engine._rms_norm(x[last], engine.snapshot.final_norm)
 
@@ -435,18 +463,20 @@ class _Generation:
         page = table.gather(1, page_index.unsqueeze(1)).squeeze(1).long()
         write = torch.where(active, page * page_size + positions % page_size, self.trash_slot)
         lengths = torch.where(active, positions + 1, 0).to(torch.int32)
+        cos, sin = engine.cos[positions], engine.sin[positions]  # once per step, not per layer
         x = F.embedding(tokens, engine.snapshot.embed)
         for layer, (k_cache, v_cache) in zip(engine.snapshot.layers, self.caches, strict=True):
-            q, _, _ = engine._attention_inputs(x, positions, write, k_cache, v_cache, layer)
+            q, _, _ = engine._attention_inputs(x, cos, sin, write, k_cache, v_cache, layer)
             if engine._use_triton:
                 splits = num_splits(bucket, engine.num_kv_heads, engine.device)
                 attention = triton_decode_attention(q, k_cache, v_cache, table, lengths, page_size, splits)
             else:
                 attention = reference_decode_attention(q, k_cache, v_cache, table, lengths, page_size, self.max_length)
-            x = engine._layer_output(x, attention.reshape(bucket, -1), layer)
+            x = engine._layer_output(x, engine._output_projection(attention, layer), layer)
         hidden = engine._rms_norm(x, engine.snapshot.final_norm)
         noise = sampling_noise(bucket, engine.vocab_size, self.settings, engine.device)
-        token, logprob = engine._pick(hidden, engine.snapshot.lm_head, noise, self.settings, engine.eos, generated)
+        counts = generated.clone()  # not a view, as in `_start_rows`
+        token, logprob = engine._pick(hidden, engine.snapshot.lm_head, noise, self.settings, engine.eos, counts)
         flat = torch.where(active, rows * self.max_new + generated, self.dump_index)
         self.out_tokens.view(-1).index_copy_(0, flat, token.to(torch.int32))
         self.out_logprobs.view(-1).index_copy_(0, flat, logprob)
@@ -461,9 +491,12 @@ class _Generation:
         if not self.engine.cuda_graph:
             return lambda: self._decode_step(bucket)
         graph = self.graphs.get(bucket)
-        if graph is None:
+        # what the compiled code specialises on: the bucket and the settings the sampling head reads
+        warm_key = (bucket, dataclasses.replace(self.settings, max_new_tokens=0))
+        if graph is None and warm_key not in self.engine.warm_steps:
             # warm-up (compilation, kernel selection) runs the real step once: put the counters back afterwards so
-            # the step replayed next is the same one (it rewrites the same cache and output entries)
+            # the step replayed next is the same one (it rewrites the same cache and output entries). Once per engine:
+            # later calls, with new pools, only capture.
             saved = [tensor.clone() for tensor in self.slots.counters()]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -472,6 +505,8 @@ class _Generation:
             torch.cuda.current_stream().wait_stream(stream)
             for tensor, value in zip(self.slots.counters(), saved, strict=True):
                 tensor.copy_(value)
+            self.engine.warm_steps.add(warm_key)
+        if graph is None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 self._decode_step(bucket)
