@@ -13,7 +13,7 @@ LoRA r=16 all-linear adapter, which the engines merge into their snapshots. `=EN
 static, paged); by default a named shape runs those that finish in reasonable time and memory (`DEFAULT_ENGINES`).
 
 Per (model, shape, engine): useful tokens/s = sum of completion lengths / device-synchronised wall time of one
-generate call, after a warm-up call (engine construction, compile, capture: reported on its own); the share of
+generate call, after warm-up calls (engine construction, compile, capture: reported on their own); the share of
 decode work spent on finished rows; peak memory over the call; and bandwidth use = floor / measured time, the floor
 being the time to read, at the measured copy bandwidth, the weights once per decode step and each row's live KV
 cache at each of its steps. The paged engine is built once per model and serves each of its shapes, as it serves
@@ -63,7 +63,7 @@ DEFAULT_ENGINES = {
 TINY_SHAPES = ["32x16p8-fixed", "16x96p8", "16x8p8-fixed-lora"]
 SHAPE = re.compile(r"(\d+)x(\d+)(?:p(\d+))?(-fixed)?(-lora)?(?:=([a-z,]+))?")
 HF_WARMUP_TOKENS = 16  # HF generate has nothing to compile or capture: a short call warms up the device
-PAGED_WARMUP_TOKENS = 512
+PAGED_WARMUP_TOKENS = 40  # one synchronisation and a few steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,27 +169,32 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def warmup_call(engine: str, prompt_ids, settings: SamplingSettings, warmup_rows: int):
-    """The call that compiles and captures before the measured one. The static engine captures per (rows, length)
-    shape: the same settings on up to `warmup_rows` rows. The paged engine compiles once per process (its graphs,
-    per slot-count bucket, are captured inside every call, so they count in the measured one): up to `warmup_rows`
-    rows (the shape's prompts repeated) of at most PAGED_WARMUP_TOKENS tokens, so every bucket of a later, larger
-    shape is met too. HF: a few tokens on all rows."""
+def warmup_calls(engine: str, prompt_ids, settings: SamplingSettings, args) -> list[tuple]:
+    """The calls that compile and capture before the measured one. The static engine captures per (rows, length)
+    shape: the same settings on up to `--warmup-rows` rows. The paged engine compiles once per process but its
+    Triton kernels have a variant per slot bucket (the split count) and its graphs are captured per bucket and
+    settings: one short call per bucket up to `--warmup-rows` (the shape's prompts repeated, its settings but at most
+    PAGED_WARMUP_TOKENS tokens) meets every bucket a measured call can use, as a training run's first rounds do; the
+    graphs a measured call captures for its own pool still count in it. HF: a few tokens on all rows."""
     if engine == "static":
-        return prompt_ids[:warmup_rows], settings
-    tokens = min(settings.max_new_tokens, HF_WARMUP_TOKENS if engine == "hf" else PAGED_WARMUP_TOKENS)
-    short = dataclasses.replace(settings, max_new_tokens=tokens, min_new_tokens=min(settings.min_new_tokens, tokens))
+        return [(prompt_ids[: args.warmup_rows], settings)]
     if engine == "hf":
-        return prompt_ids, short
-    return (prompt_ids * math.ceil(warmup_rows / len(prompt_ids)))[:warmup_rows], short
+        short = dataclasses.replace(
+            settings,
+            max_new_tokens=min(settings.max_new_tokens, HF_WARMUP_TOKENS),
+            min_new_tokens=min(settings.min_new_tokens, HF_WARMUP_TOKENS),
+        )
+        return [(prompt_ids, short)]
+    short = dataclasses.replace(settings, max_new_tokens=min(settings.max_new_tokens, PAGED_WARMUP_TOKENS))
+    largest = min(args.warmup_rows, args.max_rows)
+    buckets = [2**i for i in range(3, largest.bit_length()) if 2**i < largest] + [largest]
+    return [((prompt_ids * math.ceil(rows / len(prompt_ids)))[:rows], short) for rows in buckets]
 
 
-def measure(engine: str, generate, prompt_ids, settings, setup: dict, args, warm: bool = False) -> dict:
-    """Warm-up (unless the engine is `warm` already), then one measured call of `generate` (`engine`'s)."""
+def measure(engine: str, generate, prompt_ids, settings, setup: dict, args) -> dict:
+    """Warm-up, then one measured call of `generate` (`engine`'s)."""
     cuda = setup["device"] == "cuda"
-    warmup_s = 0.0
-    if not warm:
-        _, warmup_s = timed_call(generate, *warmup_call(engine, prompt_ids, settings, args.warmup_rows))
+    warmup_s = sum(timed_call(generate, *call)[1] for call in warmup_calls(engine, prompt_ids, settings, args))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     (completions, stats), seconds = timed_call(generate, prompt_ids, settings)
@@ -247,7 +252,7 @@ def run_engine(engine: str, model, shapes: list[Shape], setup: dict, args, recor
                 generate, entry["build_s"] = timed_call(BUILDERS[engine], model, setup["dtype"], cuda, args)
             else:
                 generate, entry["build_s"] = reusable, 0.0
-            entry.update(measure(engine, generate, prompt_ids, sampling, setup, args, warm=reusable is not None))
+            entry.update(measure(engine, generate, prompt_ids, sampling, setup, args))
             reusable = generate if engine == "paged" else None
         except torch.OutOfMemoryError:
             entry["error"], reusable = "out of memory", None
