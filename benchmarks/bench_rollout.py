@@ -192,13 +192,18 @@ def warmup_calls(engine: str, prompt_ids, settings: SamplingSettings, args) -> l
 
 
 def measure(engine: str, generate, prompt_ids, settings, setup: dict, args) -> dict:
-    """Warm-up, then one measured call of `generate` (`engine`'s)."""
+    """Warm-up, then `--repeats` measured calls of `generate` (`engine`'s); the call of median tokens/s is reported
+    (a single short call varies by tens of percent between runs on the same GPU)."""
     cuda = setup["device"] == "cuda"
     warmup_s = sum(timed_call(generate, *call)[1] for call in warmup_calls(engine, prompt_ids, settings, args))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    (completions, stats), seconds = timed_call(generate, prompt_ids, settings)
-    result = {"warmup_call_s": warmup_s, "seconds": seconds}
+    calls = []
+    for _ in range(args.repeats):
+        (completions, stats), seconds = timed_call(generate, prompt_ids, settings)
+        calls.append((sum(map(len, completions)) / seconds, seconds, completions, stats))
+    _, seconds, completions, stats = sorted(calls, key=lambda call: call[0])[len(calls) // 2]
+    result = {"warmup_call_s": warmup_s, "seconds": seconds, "tokens_per_s_calls": [call[0] for call in calls]}
     if cuda:
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -330,6 +335,7 @@ def main() -> None:
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="paged engine: device memory budget")
     parser.add_argument("--max-rows", type=int, default=1024, help="paged engine: decode slots")
     parser.add_argument("--warmup-rows", type=int, default=1024, help="rows of the engines' warm-up call")
+    parser.add_argument("--repeats", type=int, default=1, help="measured calls per shape and engine (median reported)")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     shapes = args.shapes or [parse_shape(s) for s in (TINY_SHAPES if args.tiny else DEFAULT_ENGINES)]
