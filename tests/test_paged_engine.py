@@ -387,3 +387,22 @@ def test_an_unsupported_set_up_falls_back_to_trls_path_and_logs_why(unsupported_
     trainer.args.rollout_engine = "paged"
     with pytest.raises(ValueError, match=f"^DAPOConfig.rollout_engine='paged' cannot be used here: {reason}.$"):
         select_rollout_engine(trainer)
+
+
+def test_a_sliding_window_model_is_refused_by_the_engine(model_and_tokenizer, tmp_path):
+    """The engine attends to every earlier token: for a model whose attention window is shorter than its context
+    (Mistral v0.1) its logprobs would not be the training forward's past the window."""
+    _, tokenizer = model_and_tokenizer
+    config = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=16,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"cannot be used here: sliding-window attention \(a window of 16 tokens"):
+        DAPOTrainer(
+            model=AutoModelForCausalLM.from_config(config),
+            processing_class=tokenizer,
+            reward_funcs=first_token_parity,
+            args=dapo_args(tmp_path, per_device_train_batch_size=8, rollout_engine="paged"),
+            train_dataset=arithmetic_prompts(8),
+        )

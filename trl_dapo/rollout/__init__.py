@@ -45,6 +45,11 @@ def static_engine_blocker(trainer) -> str | None:
         (trainer._is_vlm, "multimodal model"),
         (config.model_type not in SUPPORTED_MODEL_TYPES, f"model type {config.model_type!r} is not supported"),
         (
+            _sliding_window(config) is not None,
+            f"sliding-window attention (a window of {_sliding_window(config)} tokens; the engine attends to the whole "
+            "context)",
+        ),
+        (
             is_zero3(trainer) and not args.ds3_gather_for_generation,
             "ds3_gather_for_generation=False asks for no full copy of the weights, which the engine keeps",
         ),
@@ -57,6 +62,14 @@ def static_engine_blocker(trainer) -> str | None:
         (bool(set(args.generation_kwargs or {}) - SUPPORTED_GENERATION_KWARGS), "unsupported generation_kwargs"),
     ]
     return next((reason for failed, reason in checks if failed), None)
+
+
+def _sliding_window(config) -> int | None:
+    """The attention window of a model that uses one shorter than its context (Mistral v0.1's 4,096), else None."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window if window < (getattr(config, "max_position_embeddings", None) or window + 1) else None
 
 
 def select_rollout_engine(trainer) -> PagedRolloutEngine | StaticRolloutEngine | None:
