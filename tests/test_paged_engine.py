@@ -77,6 +77,39 @@ def test_greedy_tokens_equal_generate(model_and_tokenizer, options):
 
 
 @pytest.mark.parametrize(
+    "options", [{"max_rows": 2}, {"max_cache_tokens": 96, "max_rows": 8}], ids=["refill", "preempt"]
+)
+def test_a_stream_fed_while_it_decodes_gives_generates_rows(model_and_tokenizer, options):
+    """Rows added mid-call (slots refilled, outputs grown past the first allocation, a longer prompt widening the page
+    table) end with the tokens and logprobs a single greedy `generate` gives them; every row is reported once."""
+    model, tokenizer = model_and_tokenizer
+    batch = prompts(tokenizer) * 2 + [prompts(tokenizer)[0] * 3]  # the last prompt is longer than any before
+    settings = SamplingSettings(max_new_tokens=16, greedy=True)
+    engine = engine_for(model, tokenizer, **options)
+    expected = engine.generate(batch, settings)
+    stream = engine.stream(batch[:2], settings)
+    queued, ended = 2, {}
+    while not stream.idle or queued < len(batch):
+        rows = stream.step()
+        assert not set(rows) & set(ended)
+        if rows:
+            ended.update(zip(rows, zip(*stream.outputs(rows), strict=True), strict=True))
+        if queued < len(batch):  # new prompts after every synchronisation
+            added = batch[queued : queued + 4]
+            assert stream.add(added) == list(range(queued, queued + len(added)))
+            queued += len(added)
+    assert sorted(ended) == list(range(len(batch)))
+    for row, (completion, logprobs) in ended.items():
+        assert completion == expected.completions[row]
+        torch.testing.assert_close(logprobs, expected.logprobs[row])
+    stats = stream.close()
+    assert stats.generated_tokens == sum(map(len, expected.completions))
+    if "max_cache_tokens" in options:
+        assert stats.preemptions > 0
+    assert 0 < stats.busy_slot_steps <= stats.pool_slot_steps == stats.decode_steps * min(engine.max_rows, 8)
+
+
+@pytest.mark.parametrize(
     ("settings", "options"),
     [
         (SamplingSettings(16, temperature=0.8), {}),

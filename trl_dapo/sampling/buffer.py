@@ -48,10 +48,23 @@ class SamplingStats:
     discarded_qualified_groups: int = 0
     solved_prompts: float = 0.0
     partial: bool = False
+    generated_tokens: int = 0  # completion tokens generated for this generation batch
+    filtered_tokens: int = 0  # of those, in filtered groups
+    untrained_tokens: int = 0  # of the others, not in this batch's trained groups (surplus, discarded, dropped)
+    busy_slot_steps: int = 0  # decode slots busy, summed over decode steps and ranks (the engine's count)
+    pool_slot_steps: int = 0  # all decode slots of the engine's calls, likewise (0: no engine of trl-dapo)
 
     def metrics(self) -> dict[str, float]:
         generated = max(self.generated_groups, 1)
+        occupancy = (
+            {"dapo/slot_occupancy": self.busy_slot_steps / self.pool_slot_steps} if self.pool_slot_steps else {}
+        )
         return {
+            **occupancy,
+            "dapo/generated_tokens": self.generated_tokens,
+            "dapo/filtered_tokens": self.filtered_tokens,
+            "dapo/untrained_tokens": self.untrained_tokens,
+            "dapo/untrained_token_share": self.untrained_tokens / max(self.generated_tokens - self.filtered_tokens, 1),
             "dapo/gen_batches": self.gen_batches,
             "dapo/generated_groups": self.generated_groups,
             "dapo/qualified_groups": self.qualified_groups,
@@ -126,6 +139,13 @@ class DynamicSamplingBuffer:
     def _group_rows(self, groups: torch.Tensor) -> torch.Tensor:
         return (groups.unsqueeze(1) * self.num_generations + torch.arange(self.num_generations)).flatten()
 
+    def _tokens(self, batch: RolloutBatch, groups: torch.Tensor | None = None) -> int:
+        """Completion tokens of `groups` of `batch` (all of them when None)."""
+        mask = batch["completion_mask"]
+        if groups is not None:
+            mask = mask[self._group_rows(groups).to(mask.device)]
+        return int(mask.sum())
+
     def _select_groups(self, batch: RolloutBatch, groups: torch.Tensor) -> RolloutBatch:
         return select_rows(batch, self._group_rows(groups).to(batch["completion_ids"].device))
 
@@ -148,6 +168,62 @@ class DynamicSamplingBuffer:
         the caller then skips the optimizer step.
         """
         stats = SamplingStats()
+        parts, births, have = self._take_surplus(stats, step)
+        uninformative_run, candidates = 0, None
+        while have < target_groups:
+            if self.max_num_gen_batches and stats.gen_batches >= self.max_num_gen_batches:
+                break
+            if not self.max_num_gen_batches and dataset_prompts is not None and uninformative_run >= dataset_prompts:
+                raise DynamicSamplingLimitError(self._full_pass_message(stats, dataset_prompts))
+            groups = self.plan_round(target_groups - have, target_groups, stats.gen_batches, group_multiple)
+            if report is not None and stats.gen_batches:
+                report(stats.gen_batches, groups, have, target_groups)
+            candidates, metric = generate_round(groups, stats.gen_batches)
+            metric = metric.cpu()
+            keep = self._record_round(stats, candidates, metric)
+            stats.generated_tokens += self._tokens(candidates)
+            filtered = torch.nonzero(~filter_groups(metric, self.num_generations)).flatten()
+            stats.filtered_tokens += self._tokens(candidates, filtered)
+            uninformative_run = 0 if keep.numel() else uninformative_run + num_rows(candidates) // self.num_generations
+            if keep.numel():
+                parts.append(self._select_groups(candidates, keep))
+                births.append(torch.full((keep.numel(),), step, dtype=torch.long))
+                have += keep.numel()
+        return self._cut(stats, parts, births, have, target_groups, group_multiple, step, candidates)
+
+    def fill_stream(
+        self,
+        target_groups: int,
+        stream: Callable[[int], tuple[RolloutBatch, SamplingStats]],
+        step: int,
+        group_multiple: int = 1,
+    ) -> tuple[RolloutBatch, SamplingStats]:
+        """`fill` for streaming dynamic sampling: surplus first, then one stream asked for the groups still missing,
+        which returns its kept groups (global, in acceptance order; possibly none) and its counts."""
+        stats = SamplingStats()
+        parts, births, have = self._take_surplus(stats, step)
+        kept = None
+        if have < target_groups:
+            kept, counts = stream(target_groups - have)
+            for name in (
+                "generated_groups", "qualified_groups", "filtered_all_correct", "filtered_all_wrong",
+                "solved_prompts", "generated_tokens", "filtered_tokens", "untrained_tokens", "busy_slot_steps",
+                "pool_slot_steps",
+            ):  # fmt: skip
+                setattr(stats, name, getattr(counts, name))
+            stats.gen_batches = 1
+            stats.discarded_qualified_groups += counts.discarded_qualified_groups
+            self.qualified_weight = EFFICIENCY_DECAY * self.qualified_weight + counts.qualified_groups
+            self.generated_weight = EFFICIENCY_DECAY * self.generated_weight + counts.generated_groups
+            if num_rows(kept):
+                groups = num_rows(kept) // self.num_generations
+                parts.append(kept)
+                births.append(torch.full((groups,), step, dtype=torch.long))
+                have += groups
+        return self._cut(stats, parts, births, have, target_groups, group_multiple, step, kept)
+
+    def _take_surplus(self, stats: SamplingStats, step: int) -> tuple[list[RolloutBatch], list[torch.Tensor], int]:
+        """The surplus groups young enough for this batch (the others are counted as discarded); empties it."""
         parts: list[RolloutBatch] = []
         births: list[torch.Tensor] = []
         if self.surplus is not None and self.num_surplus_groups:
@@ -159,24 +235,21 @@ class DynamicSamplingBuffer:
                 births.append(self.surplus_birth[kept])
             stats.surplus_used = int(kept.numel())
         self.surplus, self.surplus_birth = None, torch.zeros(0, dtype=torch.long)
+        return parts, births, stats.surplus_used
 
-        have, uninformative_run, candidates = stats.surplus_used, 0, None
-        while have < target_groups:
-            if self.max_num_gen_batches and stats.gen_batches >= self.max_num_gen_batches:
-                break
-            if not self.max_num_gen_batches and dataset_prompts is not None and uninformative_run >= dataset_prompts:
-                raise DynamicSamplingLimitError(self._full_pass_message(stats, dataset_prompts))
-            groups = self.plan_round(target_groups - have, target_groups, stats.gen_batches, group_multiple)
-            if report is not None and stats.gen_batches:
-                report(stats.gen_batches, groups, have, target_groups)
-            candidates, metric = generate_round(groups, stats.gen_batches)
-            keep = self._record_round(stats, candidates, metric.cpu())
-            uninformative_run = 0 if keep.numel() else uninformative_run + num_rows(candidates) // self.num_generations
-            if keep.numel():
-                parts.append(self._select_groups(candidates, keep))
-                births.append(torch.full((keep.numel(),), step, dtype=torch.long))
-                have += keep.numel()
-
+    def _cut(
+        self,
+        stats: SamplingStats,
+        parts: list[RolloutBatch],
+        births: list[torch.Tensor],
+        have: int,
+        target_groups: int,
+        group_multiple: int,
+        step: int,
+        candidates: RolloutBatch | None,
+    ) -> tuple[RolloutBatch, SamplingStats]:
+        """The first `target_groups` groups found (fewer, a multiple of `group_multiple`, at the limit); the rest
+        become surplus, or are discarded."""
         take = min(have, target_groups)
         if take < target_groups:
             stats.partial = True
@@ -186,6 +259,8 @@ class DynamicSamplingBuffer:
         accepted = concat_rollouts(parts, self.pad_token_id) if parts else candidates
         birth = torch.cat(births) if births else torch.zeros(0, dtype=torch.long)
         rest = torch.arange(take, have)
+        if rest.numel():
+            stats.untrained_tokens += self._tokens(accepted, rest[birth[rest] == step])
         if rest.numel() and (self.keep_surplus or stats.partial):
             self.surplus, self.surplus_birth = self._select_groups(accepted, rest), birth[rest]
         else:

@@ -1,0 +1,177 @@
+"""Streaming dynamic sampling on the paged engine (CPU): groups are scored as they end and slots refilled, and with
+pinned lengths and a reward fixed by the prompt the kept groups are exactly the ones predicted from the prompt order."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import arithmetic_prompts, dapo_args
+from trl_dapo import DAPOTrainer
+from trl_dapo.sampling.stream import GroupStream
+
+PROMPTS = 40
+TARGET_GROUPS = 4  # per_device_train_batch_size 8 x gradient_accumulation_steps 2 / num_generations 4
+
+
+def reward_by_prompt(completion_ids, index, **kwargs) -> list[float]:
+    """Informative (0, 1, 0, 1 within the group) for prompts with index % 3 == 1, constant for the others. Every call
+    holds whole groups, in order, in both modes."""
+    return [float(j % 2) if i % 3 == 1 else float(i % 3 == 0) for j, i in enumerate(index)]
+
+
+class RecordingTrainer(DAPOTrainer):
+    """Keeps the dataloader's batch and the accepted batch of each generation batch."""
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            self.record.append(([row["index"] for row in inputs], {k: v.clone() for k, v in batch.items()}))
+        return batch
+
+
+def stream_trainer(tiny_model, tmp_path, **overrides) -> RecordingTrainer:
+    args = dict(
+        per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=1, learning_rate=0.01,
+        rollout_engine="paged", dynamic_sampling_mode="stream", rollout_max_rows=16,
+        generation_kwargs={"min_new_tokens": 8},  # pinned lengths: groups end in the order they were admitted
+    )  # fmt: skip
+    args.update(overrides)
+    trainer = RecordingTrainer(
+        model=tiny_model, reward_funcs=reward_by_prompt, args=dapo_args(tmp_path, **args),
+        train_dataset=arithmetic_prompts(PROMPTS),
+    )  # fmt: skip
+    trainer.record = []
+    return trainer
+
+
+def prompt_indices(trainer, batch) -> list[int]:
+    """The dataset index of each accepted group, from its prompt tokens."""
+    dataset = trainer.train_dataset
+    ids = trainer._tokenize_prompts([row["prompt"] for row in dataset])[0]
+    by_ids = {tuple(p): row["index"] for p, row in zip(ids, dataset, strict=True)}
+    rows = [tuple(p[m.bool()].tolist()) for p, m in zip(batch["prompt_ids"], batch["prompt_mask"], strict=True)]
+    return [by_ids[row] for row in rows[::4]]
+
+
+def test_stream_keeps_the_first_informative_groups_in_prompt_order(tiny_model, tmp_path):
+    """The real trainer and engine, 16 slots (4 groups), pinned lengths shorter than one engine synchronisation, so
+    every admitted group ends at the next one, in admission order. Draw order here: 4, 16, 21, 5 (the dataloader's),
+    then 5, 36, 12, 17, 11, 18, 13, 30, 23, 34, ... (the extra stream). 4 and 16 qualify (efficiency 1/2, 2 missing:
+    4 groups admitted), none of 5, 36, 12, 17 (efficiency 2/8: 8 admitted, 4 wait for slots), 13 of 11, 18, 13, 30
+    (1 missing, 4 in flight at 3/12: none admitted), then 34: 16 groups generated, the slots always full."""
+    trainer = stream_trainer(tiny_model, tmp_path)
+    trainer.train()
+    ((dataloader, batch),) = trainer.record
+    # prompts are drawn from the dataloader's batch, then from the extra stream (seed + 1, first epoch)
+    extra = torch.randperm(PROMPTS, generator=torch.Generator().manual_seed(trainer.args.seed + 1)).tolist()
+    order = dataloader[::4] + extra
+    assert order[:14] == [4, 16, 21, 5, 5, 36, 12, 17, 11, 18, 13, 30, 23, 34]
+    informative = [i for i in order if i % 3 == 1]
+    assert prompt_indices(trainer, batch) == informative[:TARGET_GROUPS] == [4, 16, 13, 34]
+    metrics = next(h for h in trainer.state.log_history if "dapo/generated_groups" in h)
+    assert metrics["dapo/generated_groups"] == 16 and metrics["dapo/qualified_groups"] == 4
+    assert metrics["dapo/sampling_efficiency"] == 0.25 and metrics["dapo/slot_occupancy"] == 1.0
+    assert metrics["dapo/generated_tokens"] == 16 * 4 * 8 and metrics["dapo/untrained_tokens"] == 0
+    assert metrics["dapo/surplus_groups"] == 0 and metrics["dapo/partial_batch"] == 0
+
+
+class ScriptedStream:
+    """A stand-in for the engine's `RolloutStream` whose rows decode one token per step up to a length fixed by their
+    prompt (`[length]`), `slots` rows at a time in admission order: the driver's decisions can be derived by hand."""
+
+    def __init__(self, prompts: list[list[int]], slots: int) -> None:
+        self.lengths, self.generated, self.slots = [], [], slots
+        self.waiting, self.running, self.busy, self.steps = [], [], 0, 0
+        self.add(prompts)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, prompts):
+        rows = list(range(len(self.lengths), len(self.lengths) + len(prompts)))
+        self.lengths += [prompt[0] for prompt in prompts]
+        self.generated += [0] * len(prompts)
+        self.waiting += rows
+        return rows
+
+    def step(self) -> list[int]:
+        while self.waiting and len(self.running) < self.slots:
+            self.running.append(self.waiting.pop(0))
+        if not self.running:
+            return []
+        self.steps += 1
+        self.busy += len(self.running)
+        for row in self.running:
+            self.generated[row] += 1
+        ended = [row for row in self.running if self.generated[row] == self.lengths[row]]
+        self.running = [row for row in self.running if row not in ended]
+        return ended
+
+    def outputs(self, rows):
+        return [[5] * self.generated[row] for row in rows], torch.zeros(len(rows), 8)
+
+    def close(self):
+        return SimpleNamespace(
+            generated_tokens=sum(self.generated), busy_slot_steps=self.busy, pool_slot_steps=self.steps * self.slots
+        )
+
+
+@pytest.mark.parametrize("policy", ["finish", "drop"])
+def test_the_stream_admits_on_the_expected_yield_and_finishes_or_drops_what_is_in_flight(policy):
+    """Groups of 2 rows, 4 slots, 2 groups missing. Prompts (length, informative): g0 (2, yes), g1 (6, no), g2 (3,
+    yes), g3 (5, yes). At the start the efficiency is 1: g0 and g1 are admitted (2 expected to qualify). g0 ends at
+    step 2 (1 kept, 1 in flight at efficiency 1: nothing admitted, two slots idle); g1 ends at step 6, filtered:
+    efficiency 1/2, deficit 1, so 1 / (1/2) = 2 groups admitted, g2 and g3. g2 ends at step 9: 2 kept, the batch is
+    full with g3 three tokens into its five. `finish` decodes g3 to its end (steps 10 and 11) and keeps it (surplus);
+    `drop` leaves it, six tokens generated for nothing."""
+    script = iter([(2, True), (6, False), (3, True), (5, True), (1, True)])
+    streams = []
+
+    def start(prompts):
+        streams.append(ScriptedStream(prompts, slots=4))
+        return streams[0]
+
+    def next_prompt():
+        length, informative = next(script)
+        return {"informative": informative}, [length]
+
+    def score(rows, prompt_ids, completions):
+        metric = torch.tensor([0.0, 1.0] if rows[0]["informative"] else [1.0, 1.0])
+        return metric.unsqueeze(1), metric
+
+    stream = GroupStream(start, next_prompt, score, agree=lambda values: values, num_generations=2, world=1,
+                         in_flight=policy)  # fmt: skip
+    outcome = stream.run(missing=2, budget=100)
+    assert outcome.full and outcome.admitted_groups == 4
+    assert [group.prompt_ids for group in outcome.kept] == ([[2], [3], [5]] if policy == "finish" else [[2], [3]])
+    assert outcome.generated_groups == (4 if policy == "finish" else 3)
+    assert (outcome.qualified_groups, outcome.filtered_all_correct, outcome.filtered_tokens) == (
+        outcome.generated_groups - 1,
+        1,
+        12,
+    )
+    assert outcome.dropped_groups == (0 if policy == "finish" else 1)
+    # tokens: g0 2 x 2, g1 6 x 2, g2 3 x 2, g3 5 x 2 (finished) or 3 x 2 (dropped)
+    assert outcome.generated_tokens == (32 if policy == "finish" else 28)
+    # busy rows per step: 4, 4, then 2 for steps 3-6, 4 for steps 7-9, 2 for the finishing steps 10-11
+    assert (outcome.busy_slot_steps, outcome.pool_slot_steps) == ((32, 44) if policy == "finish" else (28, 36))
+
+
+def test_stream_mode_names_what_it_needs(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="rollout_engine='paged'"):  # 'auto' on the CPU generates with TRL's path
+        DAPOTrainer(
+            model=tiny_model, reward_funcs=reward_by_prompt, train_dataset=arithmetic_prompts(PROMPTS),
+            args=dapo_args(tmp_path, per_device_train_batch_size=8, dynamic_sampling_mode="stream"),
+        )  # fmt: skip
+
+    async def async_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError, match="reward_funcs: 'async_reward'"):
+        DAPOTrainer(
+            model=tiny_model, reward_funcs=async_reward, train_dataset=arithmetic_prompts(PROMPTS),
+            args=dapo_args(tmp_path, per_device_train_batch_size=8, dynamic_sampling_mode="stream",
+                           rollout_engine="paged"),
+        )  # fmt: skip
