@@ -50,7 +50,8 @@ class SamplingStats:
     partial: bool = False
     generated_tokens: int = 0  # completion tokens generated for this generation batch
     filtered_tokens: int = 0  # of those, in filtered groups
-    untrained_tokens: int = 0  # of the others, not in this batch's trained groups (surplus, discarded, dropped)
+    untrained_tokens: int = 0  # generated and never to be trained: discarded qualified groups, rows dropped in flight
+    surplus_tokens: int = 0  # of this batch's qualified groups, kept for a later batch
     busy_slot_steps: int = 0  # decode slots busy, summed over decode steps and ranks (the engine's count)
     pool_slot_steps: int = 0  # all decode slots of the engine's calls, likewise (0: no engine of trl-dapo)
 
@@ -64,6 +65,7 @@ class SamplingStats:
             "dapo/generated_tokens": self.generated_tokens,
             "dapo/filtered_tokens": self.filtered_tokens,
             "dapo/untrained_tokens": self.untrained_tokens,
+            "dapo/surplus_tokens": self.surplus_tokens,
             "dapo/untrained_token_share": self.untrained_tokens / max(self.generated_tokens - self.filtered_tokens, 1),
             "dapo/gen_batches": self.gen_batches,
             "dapo/generated_groups": self.generated_groups,
@@ -210,7 +212,7 @@ class DynamicSamplingBuffer:
                 "solved_prompts", "generated_tokens", "filtered_tokens", "untrained_tokens", "busy_slot_steps",
                 "pool_slot_steps",
             ):  # fmt: skip
-                setattr(stats, name, getattr(counts, name))
+                setattr(stats, name, getattr(stats, name) + getattr(counts, name))
             stats.gen_batches = 1
             stats.discarded_qualified_groups += counts.discarded_qualified_groups
             self.qualified_weight = EFFICIENCY_DECAY * self.qualified_weight + counts.qualified_groups
@@ -229,6 +231,7 @@ class DynamicSamplingBuffer:
         if self.surplus is not None and self.num_surplus_groups:
             fresh = (step - self.surplus_birth) <= self.max_surplus_age
             stats.discarded_qualified_groups += int((~fresh).sum())
+            stats.untrained_tokens += self._tokens(self.surplus, (~fresh).nonzero().flatten())
             kept = fresh.nonzero().flatten()
             if kept.numel():
                 parts.append(self._select_groups(self.surplus, kept))
@@ -259,12 +262,12 @@ class DynamicSamplingBuffer:
         accepted = concat_rollouts(parts, self.pad_token_id) if parts else candidates
         birth = torch.cat(births) if births else torch.zeros(0, dtype=torch.long)
         rest = torch.arange(take, have)
-        if rest.numel():
-            stats.untrained_tokens += self._tokens(accepted, rest[birth[rest] == step])
         if rest.numel() and (self.keep_surplus or stats.partial):
             self.surplus, self.surplus_birth = self._select_groups(accepted, rest), birth[rest]
+            stats.surplus_tokens += self._tokens(accepted, rest[birth[rest] == step])
         else:
             stats.discarded_qualified_groups += int(rest.numel())
+            stats.untrained_tokens += self._tokens(accepted, rest)
         stats.surplus_groups = self.num_surplus_groups
         return self._select_groups(accepted, torch.arange(take)), stats
 

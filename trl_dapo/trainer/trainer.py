@@ -387,9 +387,9 @@ class DAPOTrainer(GRPOTrainer):
         usable = len(kept) - len(kept) % group_multiple  # the rows must share equally over the ranks
         stats.discarded_qualified_groups = len(kept) - usable
         kept = kept[:usable]
-        trained = sum(group.tokens for group in kept)
+        kept_tokens = sum(group.tokens for group in kept)
         # tokens neither filtered nor in a kept group: rows dropped in flight, groups cut for the ranks' shares
-        stats.untrained_tokens = stats.generated_tokens - stats.filtered_tokens - trained
+        stats.untrained_tokens = stats.generated_tokens - stats.filtered_tokens - kept_tokens
         if not kept:
             return self._empty_rollout(), stats
         rows = [(group, index) for group in kept for index in range(G)]
