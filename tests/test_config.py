@@ -111,6 +111,10 @@ def test_oversample_accepts_auto_and_numbers():
         (dict(dynamic_sampling_mode="stream", rollout_engine="trl"), "dynamic_sampling_mode='stream'"),
         (dict(dynamic_sampling_mode="stream", rollout_engine="static"), "dynamic_sampling_mode='stream'"),
         (dict(dynamic_sampling_mode="stream", dynamic_sampling=False), "dynamic_sampling_mode='stream'"),
+        (
+            dict(dynamic_sampling_mode="stream", dynamic_sampling_oversample="auto"),
+            "dynamic_sampling_oversample='auto'",
+        ),
         (dict(dynamic_sampling_in_flight="drop"), "dynamic_sampling_in_flight='drop'"),  # rounds mode: ignored
         (dict(dynamic_sampling_stream_sync_every=4), "dynamic_sampling_stream_sync_every=4"),
         (dict(dynamic_sampling_mode="stream", dynamic_sampling_in_flight="wait"), "dynamic_sampling_in_flight="),

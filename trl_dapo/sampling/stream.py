@@ -101,18 +101,22 @@ class GroupStream:
         total = self.prior_generated + generated
         return (self.prior_qualified + qualified) / total if total else 1.0
 
-    def allowance(self, missing: int, kept: float, in_flight: float, efficiency: float, budget_left: float) -> int:
+    def allowance(
+        self, missing: int, kept: float, in_flight: float, efficiency: float, budget_left: float, room: float
+    ) -> int:
         """Groups this rank may admit now: the global deficit after the expected yield of the groups in flight,
-        divided by the efficiency, shared over ranks, within the admission budget."""
+        divided by the efficiency, shared over ranks, within the admission budget and the room for groups in flight
+        (`max_in_flight` minus those in flight, over all ranks)."""
         deficit = missing - kept - efficiency * in_flight
-        if deficit <= 0 or budget_left <= 0:
+        if deficit <= 0 or budget_left <= 0 or room <= 0:
             return 0
         wanted = math.ceil(deficit / max(efficiency, MIN_EFFICIENCY) / self.world)
-        return max(0, min(wanted, math.floor(budget_left / self.world)))
+        return max(0, min(wanted, math.floor(budget_left / self.world), math.ceil(room / self.world)))
 
-    def run(self, missing: int, budget: int) -> StreamOutcome:
+    def run(self, missing: int, budget: int, max_in_flight: int | None = None) -> StreamOutcome:
         """Stream until the kept groups of all ranks reach `missing` or `budget` groups (over all ranks) were admitted
-        and scored."""
+        and scored, with at most about `max_in_flight` groups (over all ranks) admitted and not yet scored."""
+        cap = math.inf if max_in_flight is None else max_in_flight
         outcome = StreamOutcome()
         G = self.num_generations
         pending: dict[int, dict] = {}  # group id -> its rows, prompt ids, and the stream rows not yet ended
@@ -165,7 +169,7 @@ class GroupStream:
                 else:
                     outcome.filtered_tokens += tokens
 
-        first = self.allowance(missing, 0, 0, self.efficiency(0, 0), budget)
+        first = self.allowance(missing, 0, 0, self.efficiency(0, 0), budget, cap)
         admit(max(first, 1))
         steps = 0
         while True:
@@ -181,7 +185,7 @@ class GroupStream:
                 outcome.full = True
                 break
             efficiency = self.efficiency(qualified, scored)
-            grant = self.allowance(missing, kept, flying, efficiency, budget - admitted)
+            grant = self.allowance(missing, kept, flying, efficiency, budget - admitted, cap - flying)
             if grant:
                 admit(grant)
             elif idle == self.world and admitted >= budget:

@@ -390,6 +390,13 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 "stream",
                 "streaming is a way of doing dynamic sampling: set dynamic_sampling=True or use 'rounds'.",
             )
+        if self.dynamic_sampling_oversample != "1.0":
+            raise _bad(
+                "dynamic_sampling_oversample",
+                self.dynamic_sampling_oversample,
+                "it sizes candidate rounds, which stream mode does not have (it admits groups from the running "
+                "efficiency as slots free): leave it at '1.0', or use dynamic_sampling_mode='rounds'.",
+            )
         if self.rollout_engine in ("trl", "static") or self.use_vllm:
             engine = "use_vllm=True" if self.use_vllm else f"rollout_engine={self.rollout_engine!r}"
             raise _bad(

@@ -361,7 +361,9 @@ class DAPOTrainer(GRPOTrainer):
             budget = math.ceil(args.max_num_gen_batches * args.dynamic_sampling_max_oversample * target)
         else:
             budget = dataset_prompts if dataset_prompts is not None else UNKNOWN_SIZE_STREAM_BATCHES * target
-        outcome = stream.run(missing, max(budget, missing))
+        # in flight at once: the most one candidate round may hold (the same memory cap as in rounds)
+        max_in_flight = max(math.ceil(args.dynamic_sampling_max_oversample * target), missing)
+        outcome = stream.run(missing, max(budget, missing), max_in_flight)
         # every rank's extra stream ends at the same position: the furthest any rank drew
         furthest = int(self.accelerator.reduce(torch.tensor(blocks, device=self.accelerator.device), "max"))
         if furthest > blocks:
