@@ -61,7 +61,10 @@ def sampling_cost(config, setup, fraction: float, mode: str, max_rows: int, warm
         "generated_groups_per_step": mean("dapo/generated_groups"),
         "sampling_efficiency": mean("dapo/sampling_efficiency"),
         "step_s": result["step_s"],
-        "generation_s": result["generation_s"],
+        # generation, scoring and bookkeeping of the generation batch (in stream mode they overlap inside one call)
+        "generate_and_score_s": result["generation_s"]
+        + result["logprob_pass_s"]
+        + result["rest_split_s"]["score_and_bookkeeping"],
         "qualified_groups_per_step": mean("dapo/qualified_groups"),
         "time_per_trained_group_s": result["step_s"] / trained,
         "generated_tokens_per_step": mean("dapo/generated_tokens"),

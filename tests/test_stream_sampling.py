@@ -159,6 +159,22 @@ def test_the_stream_admits_on_the_expected_yield_and_finishes_or_drops_what_is_i
     assert (outcome.busy_slot_steps, outcome.pool_slot_steps) == ((32, 44) if policy == "finish" else (28, 36))
 
 
+def test_the_groups_in_flight_stay_within_their_cap():
+    """The same script with at most one group in flight: g0 (kept), then g1 (filtered; the deficit of 1 at efficiency
+    1/2 asks for 2 groups, the cap allows 1), then g2 (kept): full after 2 + 6 + 3 steps, one slot pair busy."""
+    script = iter([(2, True), (6, False), (3, True), (5, True)])
+    stream = GroupStream(
+        start=lambda prompts: ScriptedStream(prompts, slots=4),
+        next_prompt=lambda: (lambda length, informative: ({"informative": informative}, [length]))(*next(script)),
+        score=lambda rows, ids, completions: (torch.zeros(2, 1), torch.tensor([float(not rows[0]["informative"]), 1.0])),
+        agree=lambda values: values, num_generations=2, world=1,
+    )  # fmt: skip
+    outcome = stream.run(missing=2, budget=100, max_in_flight=1)
+    assert outcome.full and outcome.admitted_groups == 3
+    assert [group.prompt_ids for group in outcome.kept] == [[2], [3]]
+    assert (outcome.generated_tokens, outcome.busy_slot_steps, outcome.pool_slot_steps) == (22, 22, 44)
+
+
 def test_stream_mode_names_what_it_needs(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="rollout_engine='paged'"):  # 'auto' on the CPU generates with TRL's path
         DAPOTrainer(

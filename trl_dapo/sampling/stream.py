@@ -111,7 +111,9 @@ class GroupStream:
         if deficit <= 0 or budget_left <= 0 or room <= 0:
             return 0
         wanted = math.ceil(deficit / max(efficiency, MIN_EFFICIENCY) / self.world)
-        return max(0, min(wanted, math.floor(budget_left / self.world), math.ceil(room / self.world)))
+        if room != math.inf:
+            wanted = min(wanted, math.ceil(room / self.world))
+        return max(0, min(wanted, math.floor(budget_left / self.world)))
 
     def run(self, missing: int, budget: int, max_in_flight: int | None = None) -> StreamOutcome:
         """Stream until the kept groups of all ranks reach `missing` or `budget` groups (over all ranks) were admitted

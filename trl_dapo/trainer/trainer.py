@@ -3,11 +3,12 @@ token-mean and dynamic sampling.
 
 Hooks overridden, and why:
 - `_calculate_rewards`: check the rewards and hand the raw per-function values (with each completion's length and
-  truncation) to the group filter and the trained-batch metrics.
+  truncation) to the group filter and the trained-batch metrics; in stream mode, gather the stream's own scores.
 - `_generate_and_score_completions`: wraps TRL's (never copies it): one call per candidate round, rollout logprobs
   recorded, the global view filtered by the dynamic-sampling buffer, whole groups re-sharded to the ranks, and with
   `old_logprobs="recompute"` the old policy recomputed where no pass has computed it yet.
-- `_generate_single_turn`: routes training generation to the static-cache engine when it applies.
+- `_generate_single_turn`: routes training generation to trl-dapo's engine when it applies; in stream mode, hands
+  back the completions the stream generated.
 - `_prepare_inputs`: splits a generation batch into micro-batches and gives each the global token count of its own
   optimizer step (TRL divides by the generation batch's average instead).
 - `_compute_loss`: the DAPO loss of `loss.py` against the old policy (the rollout logprobs, or the training model's
