@@ -234,6 +234,40 @@ def test_weight_sync_reaches_the_next_generation(model_and_tokenizer, tiny_model
         torch.testing.assert_close(logps, teacher_forced_logprobs(model, prompt, completion), atol=1e-4, rtol=1e-4)
 
 
+def test_a_partial_rollout_resumes_under_new_weights_keeping_its_old_logprobs(tiny_model):
+    """Rows stopped mid-way under the old weights, then resumed in a new stream after a weight sync: the tokens sampled
+    before keep the old policy's logprobs (teacher-forced under the old weights), the KV is recomputed, and every
+    later token is sampled, and scored, by the new weights."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    old = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    engine = engine_for(model, tokenizer)
+    batch = prompts(tokenizer, 3)
+    settings = SamplingSettings(max_new_tokens=16)
+    torch.manual_seed(0)
+    first = engine.stream(batch, settings)
+    assert first.step() == []  # 1 sampled by the prefill + 5 decode steps: every row is 6 tokens in
+    partial = list(zip(*first.outputs([0, 1, 2]), strict=True))
+    assert [len(tokens) for tokens, _ in partial] == [6, 6, 6]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+    engine.sync_weights(model)
+    second = engine.stream([batch[0]], settings)  # a fresh row beside the resumed ones
+    rows = second.add(batch, resumed=partial)
+    ended = []
+    while not second.idle:
+        ended += second.step()
+    assert sorted(ended) == [0, *rows]
+    completions, logprobs = second.outputs(rows)
+    for prompt, (tokens, _), completion, logps in zip(batch, partial, completions, logprobs, strict=True):
+        assert completion[:6] == tokens and len(completion) == 16
+        torch.testing.assert_close(logps[:6], teacher_forced_logprobs(old, prompt, tokens), atol=1e-4, rtol=1e-4)
+        new = teacher_forced_logprobs(model, prompt, completion)
+        torch.testing.assert_close(logps[6:16], new[6:], atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(logps[:6], new[:6], atol=1e-2)  # the two policies differ on the old tokens
+
+
 @pytest.mark.skipif(
     not (shutil.which("g++") or shutil.which("clang++")), reason="the CPU compiler needs a C++ compiler"
 )

@@ -196,14 +196,19 @@ class PagedRolloutEngine:
         return _Generation(self, prompt_ids, settings).run()
 
     @torch.no_grad()
-    def stream(self, prompt_ids: list[list[int]], settings: SamplingSettings) -> RolloutStream:
+    def stream(
+        self,
+        prompt_ids: list[list[int]],
+        settings: SamplingSettings,
+        resumed: list[tuple[list[int], torch.Tensor]] | None = None,
+    ) -> RolloutStream:
         """A generation call that takes more prompts while it decodes (streaming dynamic sampling), starting with
-        `prompt_ids`; its decode slots are `max_rows`."""
+        `prompt_ids` (`resumed`: as in `RolloutStream.add`); its decode slots are `max_rows`."""
         if not prompt_ids or any(len(prompt) == 0 for prompt in prompt_ids):
             raise ValueError("stream needs at least one prompt to start, and no prompt may be empty.")
         if settings.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={settings.max_new_tokens} must be at least 1.")
-        return RolloutStream(self, prompt_ids, settings)
+        return RolloutStream(self, prompt_ids, settings, resumed)
 
     def cache_bytes_per_token(self) -> int:
         return 2 * len(self.snapshot.layers) * self.num_kv_heads * self.head_dim * self.dtype.itemsize
@@ -561,7 +566,13 @@ class RolloutStream:
     stepping (dropping what is in flight) or steps until `idle` (finishing it).
     """
 
-    def __init__(self, engine: PagedRolloutEngine, prompt_ids: list[list[int]], settings: SamplingSettings) -> None:
+    def __init__(
+        self,
+        engine: PagedRolloutEngine,
+        prompt_ids: list[list[int]],
+        settings: SamplingSettings,
+        resumed: list[tuple[list[int], torch.Tensor]] | None = None,
+    ) -> None:
         self.engine = engine
         longest = max(map(len, prompt_ids))
         engine._rope_tables(longest + settings.max_new_tokens)
@@ -573,6 +584,7 @@ class RolloutStream:
         self._generation = _Generation(engine, prompt_ids, settings, capacity=rows, num_pages=max(pages, 0))
         self._timer = _DeviceTimer(engine.device)
         self._open = set(range(len(prompt_ids)))  # rows added and not yet reported as ended
+        self._resume(list(range(len(prompt_ids))), resumed)
 
     @property
     def stats(self) -> RolloutStats:
@@ -588,8 +600,12 @@ class RolloutStream:
         """No row waits or decodes."""
         return self._generation.scheduler.done
 
-    def add(self, prompt_ids: list[list[int]]) -> list[int]:
-        """Queue rows (a prompt repeated for each of its samples shares one prefill); returns their row indices."""
+    def add(
+        self, prompt_ids: list[list[int]], resumed: list[tuple[list[int], torch.Tensor]] | None = None
+    ) -> list[int]:
+        """Queue rows (a prompt repeated for each of its samples shares one prefill); returns their row indices.
+        `resumed`: per row, tokens already sampled (by an earlier policy) and their logprobs, or empty ones: such a
+        row continues after them, its KV recomputed under the current weights, its old logprobs kept as they were."""
         generation, engine = self._generation, self.engine
         if not prompt_ids or any(len(prompt) == 0 for prompt in prompt_ids):
             raise ValueError("add needs at least one prompt, and no prompt may be empty.")
@@ -600,6 +616,7 @@ class RolloutStream:
         rows = generation.scheduler.add_rows(prompt_ids)
         if self.rows > generation.rows:
             self._grow_outputs(max(self.rows, 2 * generation.rows))
+        self._resume(rows, resumed)
         width = 16 * math.ceil(generation.scheduler.max_pages / 16)
         if width > generation.slots.page_table.size(1):  # a longer prompt than any before: widen the slot table
             table = generation.slots.page_table
@@ -609,6 +626,19 @@ class RolloutStream:
         generation.stats.rows = self.rows
         self._open.update(rows)
         return rows
+
+    def _resume(self, rows: list[int], resumed: list[tuple[list[int], torch.Tensor]] | None) -> None:
+        """Rows that continue after tokens sampled earlier: those tokens and their logprobs in the outputs."""
+        if resumed is None:
+            return
+        if len(resumed) != len(rows):
+            raise ValueError(f"resumed: {len(resumed)} entries for {len(rows)} rows.")
+        generation = self._generation
+        for row, (tokens, logprobs) in zip(rows, resumed, strict=True):
+            if tokens:
+                generation.scheduler.resume(row, list(tokens))
+                generation.out_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+                generation.out_logprobs[row, : len(tokens)] = logprobs[: len(tokens)].to(generation.out_logprobs)
 
     def _grow_outputs(self, rows: int) -> None:
         """Reallocate the output buffers for `rows` rows (plus the row idle slots write to)."""
@@ -634,13 +664,10 @@ class RolloutStream:
         self._open -= set(ended)
         return ended
 
-    def generated(self, rows: list[int]) -> np.ndarray:
-        """Tokens recorded so far for each of `rows` (an unfinished row's partial count)."""
-        return self._generation.scheduler.generated[rows].copy()
-
     def outputs(self, rows: list[int]) -> tuple[list[list[int]], torch.Tensor]:
-        """Completions of ended `rows` (each cut after its EOS) and their logprobs, (len(rows), max_new_tokens) on
-        the engine's device, zero past each completion."""
+        """Completions of `rows` (each cut after its EOS; an unfinished row's tokens so far, at the last step's
+        synchronisation) and their logprobs, (len(rows), max_new_tokens) on the engine's device, zero past each
+        completion."""
         generation = self._generation
         lengths = generation.scheduler.generated[rows]
         index = torch.tensor(rows, dtype=torch.long, device=self.engine.device)

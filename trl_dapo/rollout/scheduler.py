@@ -239,6 +239,20 @@ class Scheduler:
                 self.pool.release(prefix.pages)
                 prefix.pages = []
 
+    def resume(self, row: int, tokens: list[int]) -> None:
+        """A waiting row not yet admitted continues after `tokens` (a partial rollout of an earlier call): its prompt
+        and those tokens are prefilled as its own sequence, as a preempted row's are."""
+        if not 0 < len(tokens) < self.max_new_tokens:
+            raise ValueError(f"a resumed row needs 1 to {self.max_new_tokens - 1} tokens, got {len(tokens)}.")
+        shared = self.prefixes[self.prefix_of[row]]
+        if shared.prefilled or row not in self.waiting:
+            raise ValueError("only a row that waits, behind a prompt not yet prefilled, can be resumed.")
+        shared.waiting -= 1
+        if shared.waiting == 0:
+            del self.prefixes[shared.index]
+        self.prefix_of[row] = self._new_prefix(self.prompts[row] + list(tokens), waiting=1, private=True).index
+        self.generated[row] = len(tokens)
+
     def requeue(self, row: int, generated_tokens: list[int]) -> None:
         """Put a preempted row back at the head of the queue, to be prefilled with its prompt and these tokens."""
         prefix = self._new_prefix(self.prompts[row] + generated_tokens, waiting=1, private=True)
