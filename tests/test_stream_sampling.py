@@ -1,6 +1,7 @@
 """Streaming dynamic sampling on the paged engine (CPU): groups are scored as they end and slots refilled, and with
 pinned lengths and a reward fixed by the prompt the kept groups are exactly the ones predicted from the prompt order."""
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -21,12 +22,13 @@ def reward_by_prompt(completion_ids, index, **kwargs) -> list[float]:
 
 
 class RecordingTrainer(DAPOTrainer):
-    """Keeps the dataloader's batch and the accepted batch of each generation batch."""
+    """Keeps the dataloader's batch, the accepted batch and the groups carried in flight of each generation batch."""
 
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
         if self.model.training:
-            self.record.append(([row["index"] for row in inputs], {k: v.clone() for k, v in batch.items()}))
+            batch_copy = {k: v.clone() for k, v in batch.items()}
+            self.record.append(([row["index"] for row in inputs], batch_copy, list(self.sampling_buffer.carried)))
         return batch
 
 
@@ -62,7 +64,7 @@ def test_stream_keeps_the_first_informative_groups_in_prompt_order(tiny_model, t
     (1 missing, 4 in flight at 3/12: none admitted), then 34: 16 groups generated, the slots always full."""
     trainer = stream_trainer(tiny_model, tmp_path)
     trainer.train()
-    ((dataloader, batch),) = trainer.record
+    ((dataloader, batch, _),) = trainer.record
     # prompts are drawn from the dataloader's batch, then from the extra stream (seed + 1, first epoch)
     extra = torch.randperm(PROMPTS, generator=torch.Generator().manual_seed(trainer.args.seed + 1)).tolist()
     order = dataloader[::4] + extra
@@ -80,19 +82,19 @@ class ScriptedStream:
     """A stand-in for the engine's `RolloutStream` whose rows decode one token per step up to a length fixed by their
     prompt (`[length]`), `slots` rows at a time in admission order: the driver's decisions can be derived by hand."""
 
-    def __init__(self, prompts: list[list[int]], slots: int) -> None:
+    def __init__(self, prompts: list[list[int]], slots: int, resumed=None) -> None:
         self.lengths, self.generated, self.slots = [], [], slots
         self.waiting, self.running, self.busy, self.steps = [], [], 0, 0
-        self.add(prompts)
+        self.add(prompts, resumed)
 
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def add(self, prompts):
+    def add(self, prompts, resumed=None):
         rows = list(range(len(self.lengths), len(self.lengths) + len(prompts)))
         self.lengths += [prompt[0] for prompt in prompts]
-        self.generated += [0] * len(prompts)
+        self.generated += [len(tokens) for tokens, _ in resumed] if resumed else [0] * len(prompts)
         self.waiting += rows
         return rows
 
@@ -129,8 +131,8 @@ def test_the_stream_admits_on_the_expected_yield_and_finishes_or_drops_what_is_i
     script = iter([(2, True), (6, False), (3, True), (5, True), (1, True)])
     streams = []
 
-    def start(prompts):
-        streams.append(ScriptedStream(prompts, slots=4))
+    def start(prompts, resumed):
+        streams.append(ScriptedStream(prompts, slots=4, resumed=resumed))
         return streams[0]
 
     def next_prompt():
@@ -159,12 +161,41 @@ def test_the_stream_admits_on_the_expected_yield_and_finishes_or_drops_what_is_i
     assert (outcome.busy_slot_steps, outcome.pool_slot_steps) == ((32, 44) if policy == "finish" else (28, 36))
 
 
+def test_carried_groups_resume_in_the_next_stream_where_they_stopped():
+    """The same script with `carry`: g3 stops three tokens into its five when the batch fills and is handed back with
+    those tokens; the next stream (1 group missing) resumes it first, expects it to qualify (efficiency 1: nothing
+    else admitted), decodes its last two tokens and keeps it. Each call counts only the tokens it generated."""
+    script = iter([(2, True), (6, False), (3, True), (5, True)])
+
+    def stream_with(next_prompt):
+        return GroupStream(
+            start=lambda prompts, resumed: ScriptedStream(prompts, slots=4, resumed=resumed), next_prompt=next_prompt,
+            score=lambda rows, ids, tokens: (torch.zeros(2, 1), torch.tensor([float(not rows[0]["informative"]), 1.0])),
+            agree=lambda values: values, num_generations=2, world=1, in_flight="carry",
+        )  # fmt: skip
+
+    first = stream_with(lambda: (lambda n, informative: ({"informative": informative}, [n]))(*next(script)))
+    outcome = first.run(missing=2, budget=100)
+    assert [group.prompt_ids for group in outcome.kept] == [[2], [3]] and outcome.dropped_groups == 0
+    ((carried,),) = [outcome.carried]
+    assert carried.prompt_ids == [5] and carried.tokens == [[5] * 3] * 2 and carried.ended == [False, False]
+    assert (outcome.generated_tokens, outcome.carried_tokens) == (28, 6)
+
+    def no_new_prompts():
+        raise AssertionError("the carried group covers the expected need: nothing new is drawn")
+
+    second = stream_with(no_new_prompts).run(missing=1, budget=100, carried=[carried])
+    assert second.full and second.admitted_groups == 1 and not second.carried
+    ((kept,),) = [second.kept]
+    assert kept.completions == [[5] * 5] * 2 and kept.fresh_tokens == 4 and second.generated_tokens == 4
+
+
 def test_the_groups_in_flight_stay_within_their_cap():
     """The same script with at most one group in flight: g0 (kept), then g1 (filtered; the deficit of 1 at efficiency
     1/2 asks for 2 groups, the cap allows 1), then g2 (kept): full after 2 + 6 + 3 steps, one slot pair busy."""
     script = iter([(2, True), (6, False), (3, True), (5, True)])
     stream = GroupStream(
-        start=lambda prompts: ScriptedStream(prompts, slots=4),
+        start=lambda prompts, resumed: ScriptedStream(prompts, slots=4, resumed=resumed),
         next_prompt=lambda: (lambda length, informative: ({"informative": informative}, [length]))(*next(script)),
         score=lambda rows, ids, completions: (torch.zeros(2, 1), torch.tensor([float(not rows[0]["informative"]), 1.0])),
         agree=lambda values: values, num_generations=2, world=1,
@@ -173,6 +204,36 @@ def test_the_groups_in_flight_stay_within_their_cap():
     assert outcome.full and outcome.admitted_groups == 3
     assert [group.prompt_ids for group in outcome.kept] == [[2], [3]]
     assert (outcome.generated_tokens, outcome.busy_slot_steps, outcome.pool_slot_steps) == (22, 22, 44)
+
+
+def test_carried_rows_are_trained_next_batch_with_the_logprobs_they_were_sampled_with(tiny_model, tmp_path):
+    """`carry` on the real trainer and engine: rows stopped when a batch fills resume in the next batch's stream, and
+    a group trained there has its rows start with the carried tokens, whose old policy (rollout logprobs) is still
+    the one that sampled them. (That the resumed tokens are decoded and scored by the new weights is the engine's
+    test, `test_a_partial_rollout_resumes_under_new_weights_keeping_its_old_logprobs`.)"""
+    trainer = stream_trainer(
+        tiny_model, tmp_path, dynamic_sampling_in_flight="carry", max_completion_length=32, generation_kwargs=None,
+        max_steps=3,
+    )  # fmt: skip
+    trainer.rollout_engine.sync_every = 2  # rows span several synchronisations: some are in flight when a batch fills
+    trainer.train()
+    resumed = 0
+    for (_, _, carried), (_, batch, _) in itertools.pairwise(trainer.record):
+        prompts = [p[m.bool()].tolist() for p, m in zip(batch["prompt_ids"], batch["prompt_mask"], strict=True)]
+        completions = [
+            c[m.bool()].tolist() for c, m in zip(batch["completion_ids"], batch["completion_mask"], strict=True)
+        ]
+        for group in carried:
+            for tokens, logprobs in zip(group.tokens, group.logprobs, strict=True):
+                rows = [r for r, (p, c) in enumerate(zip(prompts, completions, strict=True))
+                        if tokens and p == group.prompt_ids and c[: len(tokens)] == tokens]  # fmt: skip
+                for row in rows:
+                    assert len(completions[row]) > len(tokens)  # decoded further in the next batch
+                    torch.testing.assert_close(
+                        batch["old_per_token_logps"][row, : len(tokens)], logprobs[: len(tokens)]
+                    )
+                    resumed += 1
+    assert resumed >= 2
 
 
 def test_stream_mode_names_what_it_needs(tiny_model, tmp_path):

@@ -119,6 +119,9 @@ class DynamicSamplingBuffer:
         self.oversample = oversample
         self.max_oversample = max_oversample
         self.surplus: RolloutBatch | None = None
+        # stream mode, in_flight="carry": this rank's groups left in flight, resumed by the next stream (not saved
+        # with checkpoints: a resumed run generates them again)
+        self.carried: list = []
         self.surplus_birth = torch.zeros(0, dtype=torch.long)
         self.qualified_weight, self.generated_weight = 0.0, 0.0
 

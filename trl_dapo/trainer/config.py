@@ -16,7 +16,7 @@ ON_LIMIT_CHOICES = ("raise", "train_on_partial")
 ROLLOUT_ENGINES = ("auto", "paged", "static", "trl")
 OLD_LOGPROBS_CHOICES = ("rollout", "recompute")
 SAMPLING_MODES = ("rounds", "stream")
-IN_FLIGHT_CHOICES = ("finish", "drop")
+IN_FLIGHT_CHOICES = ("finish", "drop", "carry")
 DEFAULT_CORRECTION_MAX = 2.0
 
 
@@ -120,6 +120,9 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             Stream mode: what happens to rows still decoding when the batch is full. `"finish"`: no new prompts, the
             rows in flight finish; their informative groups become surplus (with their rollout logprobs, bounded by
             `max_surplus_age`). `"drop"`: they are abandoned at once (their tokens are wasted, the step ends sooner).
+            `"carry"`: they stop now and resume in the next generation batch's stream (partial rollouts): their KV is
+            recomputed under the new weights, each token keeps the logprob of the policy that sampled it, and a group
+            older than `max_surplus_age` optimizer steps is dropped.
         dynamic_sampling_stream_sync_every (`int`, *optional*, defaults to `1`):
             Stream mode: engine synchronisations (each `sync_every` decode steps) between two agreements of the
             ranks on the kept and in-flight counts (one small all-reduce); admissions and the end of the batch are
@@ -208,7 +211,10 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     )
     dynamic_sampling_in_flight: str = field(
         default="finish",
-        metadata={"help": "Stream mode, rows in flight when full: 'finish' or 'drop'.", "choices": IN_FLIGHT_CHOICES},
+        metadata={
+            "help": "Stream mode, rows in flight when full: 'finish', 'drop' or 'carry'.",
+            "choices": IN_FLIGHT_CHOICES,
+        },
     )
     dynamic_sampling_stream_sync_every: int = field(
         default=1, metadata={"help": "Stream mode: engine synchronisations between cross-rank agreements."}

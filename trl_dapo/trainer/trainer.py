@@ -347,7 +347,7 @@ class DAPOTrainer(GRPOTrainer):
             self._engine_weights_step = self.state.global_step
         settings = sampling_settings(args)
         stream = GroupStream(
-            start=lambda prompts: self.rollout_engine.stream(prompts, settings),
+            start=lambda prompts, resumed: self.rollout_engine.stream(prompts, settings, resumed),
             next_prompt=next_prompt,
             score=self._score_group,
             agree=self._sum_over_ranks,
@@ -364,7 +364,14 @@ class DAPOTrainer(GRPOTrainer):
             budget = dataset_prompts if dataset_prompts is not None else UNKNOWN_SIZE_STREAM_BATCHES * target
         # in flight at once: the most one candidate round may hold (the same memory cap as in rounds)
         max_in_flight = max(math.ceil(args.dynamic_sampling_max_oversample * target), missing)
-        outcome = stream.run(missing, max(budget, missing), max_in_flight)
+        # this rank's groups carried in flight from the last batch, unless older than max_surplus_age
+        step, buffer = self.state.global_step, self.sampling_buffer
+        carried = [group for group in buffer.carried if step - group.birth <= args.max_surplus_age]
+        aged_tokens = sum(group.earlier_tokens for group in buffer.carried) - sum(g.earlier_tokens for g in carried)
+        outcome = stream.run(missing, max(budget, missing), max_in_flight, carried)
+        buffer.carried = [
+            group if group.birth >= 0 else dataclasses.replace(group, birth=step) for group in outcome.carried
+        ]
         # every rank's extra stream ends at the same position: the furthest any rank drew
         furthest = int(self.accelerator.reduce(torch.tensor(blocks, device=self.accelerator.device), "max"))
         if furthest > blocks:
@@ -374,7 +381,7 @@ class DAPOTrainer(GRPOTrainer):
             "counts": [
                 outcome.generated_groups, outcome.qualified_groups, outcome.filtered_all_correct,
                 outcome.filtered_all_wrong, outcome.solved_prompts, outcome.generated_tokens, outcome.filtered_tokens,
-                outcome.busy_slot_steps, outcome.pool_slot_steps,
+                outcome.busy_slot_steps, outcome.pool_slot_steps, outcome.carried_tokens, aged_tokens,
             ],
         }  # fmt: skip
         everyone = gather_object([shared])
@@ -383,6 +390,7 @@ class DAPOTrainer(GRPOTrainer):
             generated_groups=int(totals[0]), qualified_groups=int(totals[1]), filtered_all_correct=int(totals[2]),
             filtered_all_wrong=int(totals[3]), solved_prompts=float(totals[4]), generated_tokens=int(totals[5]),
             filtered_tokens=int(totals[6]), busy_slot_steps=int(totals[7]), pool_slot_steps=int(totals[8]),
+            surplus_tokens=int(totals[9]),  # the carried groups' tokens of this batch, kept for the next
         )  # fmt: skip
         if not args.max_num_gen_batches and dataset_prompts is not None and not stats.qualified_groups:
             raise DynamicSamplingLimitError(self.sampling_buffer._full_pass_message(stats, dataset_prompts))
@@ -390,9 +398,12 @@ class DAPOTrainer(GRPOTrainer):
         usable = len(kept) - len(kept) % group_multiple  # the rows must share equally over the ranks
         stats.discarded_qualified_groups = len(kept) - usable
         kept = kept[:usable]
-        kept_tokens = sum(group.tokens for group in kept)
-        # tokens neither filtered nor in a kept group: rows dropped in flight, groups cut for the ranks' shares
-        stats.untrained_tokens = stats.generated_tokens - stats.filtered_tokens - kept_tokens
+        kept_tokens = sum(group.fresh_tokens for group in kept)
+        # tokens of this batch neither filtered nor kept nor carried: rows dropped in flight, groups cut for the ranks'
+        # shares; and carried groups that aged out
+        stats.untrained_tokens = (
+            stats.generated_tokens - stats.filtered_tokens - kept_tokens - stats.surplus_tokens + int(totals[10])
+        )
         if not kept:
             return self._empty_rollout(), stats
         rows = [(group, index) for group in kept for index in range(G)]
