@@ -1,17 +1,18 @@
 """What dynamic sampling costs: DAPO steps with a chosen share of uninformative prompt groups, candidate rounds with
 fixed vs adaptive (`dynamic_sampling_oversample="auto"`) sizing and surplus reuse on and off, and streaming
-(`dynamic_sampling_mode="stream"`) with rows in flight finished or dropped when the batch is full.
+(`dynamic_sampling_mode="stream"`) with rows in flight carried, finished or dropped when the batch is full.
 
     python benchmarks/bench_sampling.py --models qwen2.5-0.5b     # CUDA: random-init Qwen2.5-0.5B architecture
     python benchmarks/bench_sampling.py --variable-lengths \\
-        --sampling-modes auto:True stream:finish stream:drop      # CUDA: lengths up to 4,096, stream vs rounds
+        --sampling-modes auto:True stream:carry stream:finish     # CUDA: lengths up to 4,096, stream vs rounds
     python benchmarks/bench_sampling.py --tiny                    # CPU smoke run on the tiny local model
 
 A mode is `OVERSAMPLE:SURPLUS` (rounds: `dynamic_sampling_oversample`, `dynamic_sampling_keep_surplus`) or
-`stream:IN_FLIGHT` (`dynamic_sampling_in_flight`, surplus kept). Every run generates with the paged engine. For every
-(share, mode) pair: rounds per step, generated groups, sampling efficiency, time per trained group, the share of the
-generated tokens (filtered groups excluded) never trained and kept as surplus, and the share of decode slot-steps
-busy. Prints a table last and writes `benchmarks/results/bench_sampling_<device>.json` after every run.
+`stream:IN_FLIGHT` (`dynamic_sampling_in_flight`: finish, drop or carry; surplus kept). Every run generates with the
+paged engine. For every (share, mode) pair: rounds per step, generated groups, sampling efficiency, time per trained
+group, the share of the generated tokens (filtered groups excluded) never trained and kept as surplus (carried rows
+included), and the share of decode slot-steps busy. Prints a table last and writes
+`benchmarks/results/bench_sampling_<device>.json` after every run.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument(
         "--sampling-modes", nargs="*", default=["1.0:False", "1.0:True", "auto:True", "auto:False"],
-        help="OVERSAMPLE:SURPLUS (rounds) or stream:IN_FLIGHT (finish or drop)",
+        help="OVERSAMPLE:SURPLUS (rounds) or stream:IN_FLIGHT (finish, drop or carry)",
     )  # fmt: skip
     parser.add_argument("--sampling-fractions", nargs="*", type=float, default=[0.5, 0.8])
     parser.add_argument(

@@ -67,7 +67,7 @@ def test_bench_sampling_tiny_runs_each_mode(tmp_path):
     _, results = run_tiny(
         "bench_sampling", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",
         "--steps", "2", "--max-rows", "16", "--sampling-fractions", "0.5",
-        "--sampling-modes", "1.0:True", "auto:False", "stream:finish", "stream:drop",
+        "--sampling-modes", "1.0:True", "auto:False", "stream:finish", "stream:drop", "stream:carry",
     )  # fmt: skip
     sampling = results["sampling"]
     assert [(r["uninformative"], r["mode"]) for r in sampling] == [
@@ -75,6 +75,7 @@ def test_bench_sampling_tiny_runs_each_mode(tmp_path):
         (0.5, "auto:False"),
         (0.5, "stream:finish"),
         (0.5, "stream:drop"),
+        (0.5, "stream:carry"),
     ]
     for r in sampling:
         # lengths pinned to 6 and shorter than one engine synchronisation: every generated row is whole
