@@ -9,6 +9,7 @@ import torch
 
 from helpers import arithmetic_prompts, dapo_args
 from trl_dapo import DAPOTrainer
+from trl_dapo.sampling import DynamicSamplingLimitError
 from trl_dapo.sampling.stream import GroupStream
 
 PROMPTS = 40
@@ -234,6 +235,27 @@ def test_carried_rows_are_trained_next_batch_with_the_logprobs_they_were_sampled
                     )
                     resumed += 1
     assert resumed >= 2
+    # the carried rows' tokens are kept for later, not lost: counted in the batch that generated them
+    metrics = [h for h in trainer.state.log_history if "dapo/surplus_tokens" in h]
+    for (_, _, carried), logged in zip(trainer.record, metrics, strict=True):
+        first_time = sum(group.earlier_tokens for group in carried if group.birth == logged["step"] - 1)
+        assert logged["dapo/surplus_tokens"] >= first_time
+    assert any(group.earlier_tokens for _, _, carried in trainer.record for group in carried)
+
+
+def test_a_stream_that_spends_its_budget_says_so(tiny_model, tmp_path):
+    def constant(completion_ids, **kwargs):
+        return [1.0] * len(completion_ids)
+
+    trainer = DAPOTrainer(
+        model=tiny_model, reward_funcs=constant, train_dataset=arithmetic_prompts(PROMPTS),
+        args=dapo_args(tmp_path, per_device_train_batch_size=8, dynamic_sampling_mode="stream", rollout_engine="paged",
+                       max_num_gen_batches=1, dynamic_sampling_on_limit="raise", max_steps=1),
+    )  # fmt: skip
+    with pytest.raises(
+        DynamicSamplingLimitError, match=r"Streaming dynamic sampling admitted its budget .* 0 of the 2"
+    ):
+        trainer.train()
 
 
 def test_stream_mode_names_what_it_needs(tiny_model, tmp_path):

@@ -212,8 +212,8 @@ class DynamicSamplingBuffer:
             kept, counts = stream(target_groups - have)
             for name in (
                 "generated_groups", "qualified_groups", "filtered_all_correct", "filtered_all_wrong",
-                "solved_prompts", "generated_tokens", "filtered_tokens", "untrained_tokens", "busy_slot_steps",
-                "pool_slot_steps",
+                "solved_prompts", "generated_tokens", "filtered_tokens", "untrained_tokens", "surplus_tokens",
+                "busy_slot_steps", "pool_slot_steps",
             ):  # fmt: skip
                 setattr(stats, name, getattr(stats, name) + getattr(counts, name))
             stats.gen_batches = 1
@@ -225,7 +225,7 @@ class DynamicSamplingBuffer:
                 parts.append(kept)
                 births.append(torch.full((groups,), step, dtype=torch.long))
                 have += groups
-        return self._cut(stats, parts, births, have, target_groups, group_multiple, step, kept)
+        return self._cut(stats, parts, births, have, target_groups, group_multiple, step, kept, streamed=True)
 
     def _take_surplus(self, stats: SamplingStats, step: int) -> tuple[list[RolloutBatch], list[torch.Tensor], int]:
         """The surplus groups young enough for this batch (the others are counted as discarded); empties it."""
@@ -253,6 +253,7 @@ class DynamicSamplingBuffer:
         group_multiple: int,
         step: int,
         candidates: RolloutBatch | None,
+        streamed: bool = False,
     ) -> tuple[RolloutBatch, SamplingStats]:
         """The first `target_groups` groups found (fewer, a multiple of `group_multiple`, at the limit); the rest
         become surplus, or are discarded."""
@@ -261,7 +262,7 @@ class DynamicSamplingBuffer:
             stats.partial = True
             take -= take % group_multiple
             if self.on_limit == "raise":
-                raise DynamicSamplingLimitError(self._limit_message(stats, have, target_groups))
+                raise DynamicSamplingLimitError(self._limit_message(stats, have, target_groups, streamed))
         accepted = concat_rollouts(parts, self.pad_token_id) if parts else candidates
         birth = torch.cat(births) if births else torch.zeros(0, dtype=torch.long)
         rest = torch.arange(take, have)
@@ -294,10 +295,20 @@ class DynamicSamplingBuffer:
             f"all-correct: {stats.filtered_all_correct}, all-wrong: {stats.filtered_all_wrong}"
         )
 
-    def _limit_message(self, stats: SamplingStats, have: int, target: int) -> str:
+    def _limit_message(self, stats: SamplingStats, have: int, target: int, streamed: bool = False) -> str:
+        if streamed:
+            spent = (
+                f"Streaming dynamic sampling admitted its budget of groups (max_num_gen_batches="
+                f"{self.max_num_gen_batches} x dynamic_sampling_max_oversample={self.max_oversample} generation "
+                "batches)"
+            )
+        else:
+            spent = (
+                f"Dynamic sampling ran {stats.gen_batches} candidate generation rounds (max_num_gen_batches="
+                f"{self.max_num_gen_batches})"
+            )
         return (
-            f"Dynamic sampling ran {stats.gen_batches} candidate generation rounds (max_num_gen_batches="
-            f"{self.max_num_gen_batches}) and found {have} of the {target} informative groups this batch needs "
+            f"{spent} and found {have} of the {target} informative groups this batch needs "
             f"({self._found(stats)}). Set dynamic_sampling_on_limit='train_on_partial' to train on the groups found "
             "(and skip the step when there are none), raise max_num_gen_batches, or use prompts whose difficulty "
             "suits the model."
