@@ -30,6 +30,11 @@ class RecordingTrainer(DAPOTrainer):
         if self.model.training:
             batch_copy = {k: v.clone() for k, v in batch.items()}
             self.record.append(([row["index"] for row in inputs], batch_copy, list(self.sampling_buffer.carried)))
+            buffer = self.sampling_buffer
+            born_now = (buffer.surplus_birth == self.state.global_step).repeat_interleave(self.num_generations)
+            self.surplus_tokens.append(
+                0 if buffer.surplus is None else int(buffer.surplus["completion_mask"][born_now].sum())
+            )
         return batch
 
 
@@ -44,7 +49,7 @@ def stream_trainer(tiny_model, tmp_path, **overrides) -> RecordingTrainer:
         model=tiny_model, reward_funcs=reward_by_prompt, args=dapo_args(tmp_path, **args),
         train_dataset=arithmetic_prompts(PROMPTS),
     )  # fmt: skip
-    trainer.record = []
+    trainer.record, trainer.surplus_tokens = [], []
     return trainer
 
 
@@ -235,12 +240,14 @@ def test_carried_rows_are_trained_next_batch_with_the_logprobs_they_were_sampled
                     )
                     resumed += 1
     assert resumed >= 2
-    # the carried rows' tokens are kept for later, not lost: counted in the batch that generated them
+    # the carried rows' tokens are kept for later, not lost: in the first batch that carries (nothing was carried
+    # into it), its surplus tokens are the carried groups' tokens and those of its new surplus groups
     metrics = [h for h in trainer.state.log_history if "dapo/surplus_tokens" in h]
-    for (_, _, carried), logged in zip(trainer.record, metrics, strict=True):
-        first_time = sum(group.earlier_tokens for group in carried if group.birth == logged["step"] - 1)
-        assert logged["dapo/surplus_tokens"] >= first_time
-    assert any(group.earlier_tokens for _, _, carried in trainer.record for group in carried)
+    first = next(i for i, (_, _, carried) in enumerate(trainer.record) if carried)
+    assert not any(trainer.record[i][2] for i in range(first))
+    carried_tokens = sum(group.earlier_tokens for group in trainer.record[first][2])
+    assert carried_tokens > 0
+    assert metrics[first]["dapo/surplus_tokens"] == carried_tokens + trainer.surplus_tokens[first]
 
 
 def test_a_stream_that_spends_its_budget_says_so(tiny_model, tmp_path):
