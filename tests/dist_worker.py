@@ -4,7 +4,8 @@
 - `partial`: dynamic sampling finds fewer informative groups than the batch needs (train_on_partial), so each rank
   holds fewer rows than micro-batches and some micro-batches are empty;
 - `defaults`: `DAPOConfig`'s defaults (16 samples per prompt, 16 completions per device) with real generation;
-- `recomputed`: `scripted` with the old policy recomputed on each rank's rows and a sequence-level correction.
+- `recomputed`: `scripted` with the old policy recomputed on each rank's rows and a sequence-level correction;
+- `stream`, `stream_again`: streaming dynamic sampling on the paged engine (CPU), twice with the same seed.
 
 Writes, per set-up, the updated parameters, the accepted rollout rows (before the micro-batch shuffle) and the
 logged metrics, so the test can compare a 2-process run with a 1-process run of the same global batch.
@@ -14,7 +15,7 @@ import os
 import sys
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, set_seed
 
 from helpers import CPU_ARGS, arithmetic_prompts, dapo_args, first_token_parity
 from trl_dapo import DAPOConfig, DAPOTrainer
@@ -27,15 +28,23 @@ def reward_by_prompt(completion_ids, index, **kwargs) -> list[float]:
     return [[1.0, float(len(ids) % 2), 0.0][i % 3] for ids, i in zip(completion_ids, index, strict=True)]
 
 
+def informative_by_prompt(completion_ids, index, **kwargs) -> list[float]:
+    """Varied within the group (0, 1, 0, 1) for prompts with index % 3 == 1, constant for the others."""
+    return [float(j % 2) if i % 3 == 1 else float(i % 3 == 0) for j, i in enumerate(index)]
+
+
 class RecordingDAPOTrainer(DAPOTrainer):
-    """Keeps the local share of each accepted generation batch, as handed to the micro-batch split."""
+    """Keeps the local share of each accepted generation batch, as handed to the micro-batch split, and the dataset
+    indices of the dataloader's rows."""
 
     accepted: list
+    dataloader: list
 
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
         if self.model.training:
             self.accepted.append({k: v.clone() for k, v in batch.items()})
+            self.dataloader.append([row["index"] for row in inputs])
         return batch
 
 
@@ -63,6 +72,12 @@ def trainers(model_path: str, output: str, world: int) -> dict[str, RecordingDAP
         rollout_correction_max=1.05,
         **common,
     )
+    stream = dict(
+        num_generations=4, per_device_train_batch_size=8 // world, gradient_accumulation_steps=2,
+        dynamic_sampling_mode="stream", rollout_engine="paged", rollout_max_rows=16, learning_rate=0.01,
+        generation_kwargs={"min_new_tokens": 8}, max_steps=1,
+    )  # fmt: skip
+    stream_run = dict(reward_funcs=informative_by_prompt, train_dataset=arithmetic_prompts(40))
     scripted_run = dict(reward_funcs=reward_by_prompt, train_dataset=arithmetic_prompts(40), rollout_func=rollout)
     return {
         "scripted": RecordingDAPOTrainer(model=model_path, args=scripted, **scripted_run),
@@ -71,6 +86,10 @@ def trainers(model_path: str, output: str, world: int) -> dict[str, RecordingDAP
             model=model_path, reward_funcs=first_token_parity, args=defaults, train_dataset=arithmetic_prompts(40)
         ),
         "recomputed": RecordingDAPOTrainer(model=model_path, args=recomputed, **scripted_run),
+        "stream": RecordingDAPOTrainer(model=model_path, args=dapo_args(output + ".stream", **stream), **stream_run),
+        "stream_again": RecordingDAPOTrainer(
+            model=model_path, args=dapo_args(output + ".stream_again", **stream), **stream_run
+        ),
     }
 
 
@@ -98,9 +117,16 @@ def main(model_path: str, output: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     results = {}
     for name, trainer in trainers(model_path, output, world).items():
-        trainer.accepted = []
+        trainer.accepted, trainer.dataloader = [], []
+        if name.startswith("stream"):  # the trainers were all built first: start each stream run from its seed
+            set_seed(trainer.args.seed)
         trainer.train()
         rows = accepted_rows(trainer, world)
+        dataloader = trainer.dataloader[0]
+        if world > 1:
+            gathered = [None] * world
+            torch.distributed.all_gather_object(gathered, dataloader)
+            dataloader = [index for rank in gathered for index in rank]
         micro_batch_rows = [int(mb["completion_ids"].size(0)) for mb in trainer._buffered_inputs]
         results[name] = {
             "parameters": {
@@ -111,6 +137,15 @@ def main(model_path: str, output: str) -> None:
             "global_step": trainer.state.global_step,
             "generation_batch_size": trainer.args.generation_batch_size,
             "micro_batch_rows": micro_batch_rows,
+            "dataloader": dataloader,
+            "index_of_prompt": {
+                tuple(ids): row["index"]
+                for ids, row in zip(
+                    trainer._tokenize_prompts([row["prompt"] for row in trainer.train_dataset])[0],
+                    trainer.train_dataset,
+                    strict=True,
+                )
+            },
         }
     accelerator = trainer.accelerator
     if accelerator.is_main_process:

@@ -66,14 +66,23 @@ def test_bench_step_variable_lengths_counts_generated_tokens(tmp_path):
 def test_bench_sampling_tiny_runs_each_mode(tmp_path):
     _, results = run_tiny(
         "bench_sampling", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",
-        "--steps", "1", "--sampling-fractions", "0.5", "--sampling-modes", "1.0:True", "auto:False",
+        "--steps", "2", "--max-rows", "16", "--sampling-fractions", "0.5",
+        "--sampling-modes", "1.0:True", "auto:False", "stream:finish", "stream:drop", "stream:carry",
     )  # fmt: skip
     sampling = results["sampling"]
-    assert [(r["uninformative"], r["oversample"], r["keep_surplus"]) for r in sampling] == [
-        (0.5, "1.0", True),
-        (0.5, "auto", False),
+    assert [(r["uninformative"], r["mode"]) for r in sampling] == [
+        (0.5, "1.0:True"),
+        (0.5, "auto:False"),
+        (0.5, "stream:finish"),
+        (0.5, "stream:drop"),
+        (0.5, "stream:carry"),
     ]
-    assert all(r["generated_groups_per_step"] > 0 and r["rounds_per_step"] >= 1 for r in sampling)
+    for r in sampling:
+        # lengths pinned to 6 and shorter than one engine synchronisation: every generated row is whole
+        assert r["generated_tokens_per_step"] == r["generated_groups_per_step"] * 4 * 6
+        assert 0 < r["slot_occupancy"] <= 1 and 0 <= r["untrained_token_share"] <= 1
+        assert 0 <= r["surplus_token_share"] <= 1
+    assert all(r["generated_groups_per_step"] > 0 and r["rounds_per_step"] >= 1 for r in sampling[:2])
 
 
 def test_bench_rollout_tiny_counts_tokens_and_bandwidth_floor(tmp_path):

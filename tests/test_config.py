@@ -107,6 +107,18 @@ def test_oversample_accepts_auto_and_numbers():
             "steps_per_generation=",
         ),
         (dict(old_logprobs="training"), "old_logprobs="),
+        (dict(dynamic_sampling_mode="streaming"), "dynamic_sampling_mode="),
+        (dict(dynamic_sampling_mode="stream", rollout_engine="trl"), "dynamic_sampling_mode='stream'"),
+        (dict(dynamic_sampling_mode="stream", rollout_engine="static"), "dynamic_sampling_mode='stream'"),
+        (dict(dynamic_sampling_mode="stream", dynamic_sampling=False), "dynamic_sampling_mode='stream'"),
+        (
+            dict(dynamic_sampling_mode="stream", dynamic_sampling_oversample="auto"),
+            "dynamic_sampling_oversample='auto'",
+        ),
+        (dict(dynamic_sampling_in_flight="drop"), "dynamic_sampling_in_flight='drop'"),  # rounds mode: ignored
+        (dict(dynamic_sampling_stream_sync_every=4), "dynamic_sampling_stream_sync_every=4"),
+        (dict(dynamic_sampling_mode="stream", dynamic_sampling_in_flight="wait"), "dynamic_sampling_in_flight="),
+        (dict(dynamic_sampling_mode="stream", dynamic_sampling_stream_sync_every=0), "dynamic_sampling_stream_sync"),
         (dict(old_logprobs="recompute", rollout_correction="geometric_mask"), "rollout_correction="),
         (
             dict(old_logprobs="recompute", rollout_correction="token_mask", rollout_correction_max=0.9),

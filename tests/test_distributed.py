@@ -76,3 +76,35 @@ def test_the_recomputed_old_policy_and_its_correction_make_the_same_update_on_tw
     assert_same_update(one, two, tiny_model)
     against_rollout = runs[0]["scripted"]["parameters"]
     assert max((one["parameters"][k] - p).abs().max().item() for k, p in against_rollout.items()) > 1e-4
+
+
+def streamed_prompts(run: dict) -> list[int]:
+    """The dataset index of each accepted group (4 rows each), in acceptance order."""
+    return [run["index_of_prompt"][tuple(prompt)] for prompt, _, _ in run["rows"][::4]]
+
+
+@pytest.mark.distributed
+def test_stream_mode_keeps_each_ranks_first_informative_groups_deterministically(runs):
+    """Each rank streams its own prompts: its share of the dataloader batch's prompts, then every second prompt of the
+    extra stream (seed + 1), and keeps its informative groups in the order they end (pinned lengths: the order they
+    were drawn); the batch is rank 0's kept groups then rank 1's. With one rank, the first 4 informative prompts."""
+    extra = torch.randperm(40, generator=torch.Generator().manual_seed(1)).tolist()
+    for world, run in enumerate(runs, start=1):
+        stream = run["stream"]
+        assert stream["rows"] == run["stream_again"]["rows"]  # the same seed, the same groups, completions, order
+        for name, value in stream["parameters"].items():
+            torch.testing.assert_close(run["stream_again"]["parameters"][name], value, atol=0, rtol=0, msg=name)
+        firsts = stream["dataloader"][::4]
+        informative = [[i for i in firsts[rank::world] + extra[rank::world] if i % 3 == 1] for rank in range(world)]
+        accepted = streamed_prompts(stream)
+        assert len(accepted) == 4 and all(i % 3 == 1 for i in accepted)
+        if world == 1:
+            assert accepted == informative[0][:4]
+        else:
+            assert any(accepted == informative[0][:k] + informative[1][: 4 - k] for k in range(5)), (
+                accepted,
+                informative,
+            )
+        metrics = stream["metrics"][0]
+        assert metrics["dapo/qualified_groups"] >= 4 and metrics["dapo/partial_batch"] == 0
+        assert metrics["dapo/generated_groups"] == metrics["dapo/qualified_groups"] + metrics["dapo/filtered_groups"]

@@ -81,6 +81,39 @@ def test_greedy_tokens_equal_generate(model_and_tokenizer, options):
 
 
 @pytest.mark.parametrize(
+    "options", [{"max_rows": 2}, {"max_cache_tokens": 96, "max_rows": 8}], ids=["refill", "preempt"]
+)
+def test_a_stream_fed_while_it_decodes_gives_generates_rows(model_and_tokenizer, options):
+    """Rows added mid-call (slots refilled, outputs grown past the first allocation, a longer prompt widening the page
+    table) end with the tokens and logprobs a single greedy `generate` gives them; every row is reported once."""
+    model, tokenizer = model_and_tokenizer
+    batch = prompts(tokenizer) * 2 + [prompts(tokenizer)[0] * 3]  # the last prompt is longer than any before
+    settings = SamplingSettings(max_new_tokens=16, greedy=True)
+    engine = engine_for(model, tokenizer, **options)
+    expected = engine.generate(batch, settings)
+    stream = engine.stream(batch[:2], settings)
+    queued, ended = 2, {}
+    while not stream.idle or queued < len(batch):
+        rows = stream.step()
+        assert not set(rows) & set(ended)
+        if rows:
+            ended.update(zip(rows, zip(*stream.outputs(rows), strict=True), strict=True))
+        if queued < len(batch):  # new prompts after every synchronisation
+            added = batch[queued : queued + 4]
+            assert stream.add(added) == list(range(queued, queued + len(added)))
+            queued += len(added)
+    assert sorted(ended) == list(range(len(batch)))
+    for row, (completion, logprobs) in ended.items():
+        assert completion == expected.completions[row]
+        torch.testing.assert_close(logprobs, expected.logprobs[row])
+    stats = stream.close()
+    assert stats.generated_tokens == sum(map(len, expected.completions))
+    if "max_cache_tokens" in options:
+        assert stats.preemptions > 0
+    assert 0 < stats.busy_slot_steps <= stats.pool_slot_steps == stats.decode_steps * min(engine.max_rows, 8)
+
+
+@pytest.mark.parametrize(
     ("settings", "options"),
     [
         (SamplingSettings(16, temperature=0.8), {}),
@@ -203,6 +236,40 @@ def test_weight_sync_reaches_the_next_generation(model_and_tokenizer, tiny_model
     out = engine.generate(batch, SamplingSettings(6))
     for prompt, completion, logps in zip(batch, out.completions, trimmed(out.logprobs, out.completions), strict=True):
         torch.testing.assert_close(logps, teacher_forced_logprobs(model, prompt, completion), atol=1e-4, rtol=1e-4)
+
+
+def test_a_partial_rollout_resumes_under_new_weights_keeping_its_old_logprobs(tiny_model):
+    """Rows stopped mid-way under the old weights, then resumed in a new stream after a weight sync: the tokens sampled
+    before keep the old policy's logprobs (teacher-forced under the old weights), the KV is recomputed, and every
+    later token is sampled, and scored, by the new weights."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    old = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    engine = engine_for(model, tokenizer)
+    batch = prompts(tokenizer, 3)
+    settings = SamplingSettings(max_new_tokens=16)
+    torch.manual_seed(0)
+    first = engine.stream(batch, settings)
+    assert first.step() == []  # 1 sampled by the prefill + 5 decode steps: every row is 6 tokens in
+    partial = list(zip(*first.outputs([0, 1, 2]), strict=True))
+    assert [len(tokens) for tokens, _ in partial] == [6, 6, 6]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+    engine.sync_weights(model)
+    second = engine.stream([batch[0]], settings)  # a fresh row beside the resumed ones
+    rows = second.add(batch, resumed=partial)
+    ended = []
+    while not second.idle:
+        ended += second.step()
+    assert sorted(ended) == [0, *rows]
+    completions, logprobs = second.outputs(rows)
+    for prompt, (tokens, _), completion, logps in zip(batch, partial, completions, logprobs, strict=True):
+        assert completion[:6] == tokens and len(completion) == 16
+        torch.testing.assert_close(logps[:6], teacher_forced_logprobs(old, prompt, tokens), atol=1e-4, rtol=1e-4)
+        new = teacher_forced_logprobs(model, prompt, completion)
+        torch.testing.assert_close(logps[6:16], new[6:], atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(logps[:6], new[:6], atol=1e-2)  # the two policies differ on the old tokens
 
 
 @pytest.mark.skipif(

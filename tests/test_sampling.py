@@ -103,6 +103,32 @@ def test_surplus_comes_first_next_time_and_ages_out():
     assert stats.discarded_qualified_groups == 1 and stats.surplus_used == 0
 
 
+def test_token_counts_split_generated_tokens_into_filtered_trained_surplus_and_wasted():
+    """3 tokens per row, 2 rows per group. Step 0: groups 1-3 of which 2 is filtered, 1 trained, 3 surplus. Step 2:
+    surplus group 3 is too old (wasted), groups 4 and 5 are trained. Without surplus, group 3 is wasted at once."""
+    generate, _ = scripted_rounds([([1, 2, 3], [True, False, True])])
+    buffer = new_buffer(max_surplus_age=1)
+    _, stats = buffer.fill(1, generate, step=0)
+    assert (stats.generated_tokens, stats.filtered_tokens, stats.surplus_tokens, stats.untrained_tokens) == (
+        18,
+        6,
+        6,
+        0,
+    )
+    generate, _ = scripted_rounds([([4, 5], [True, True])])
+    _, stats = buffer.fill(2, generate, step=2)
+    assert (stats.generated_tokens, stats.filtered_tokens, stats.surplus_tokens, stats.untrained_tokens) == (
+        12,
+        0,
+        0,
+        6,
+    )
+    assert stats.metrics()["dapo/untrained_token_share"] == 0.5  # 6 wasted of the 12 generated now
+    generate, _ = scripted_rounds([([1, 2, 3], [True, False, True])])
+    _, stats = new_buffer(keep_surplus=False).fill(1, generate, step=0)
+    assert (stats.surplus_tokens, stats.untrained_tokens) == (0, 6)
+
+
 def test_surplus_off_discards_and_counts_it():
     generate, _ = scripted_rounds([([1, 2, 3], [True, True, True])])
     buffer = new_buffer(keep_surplus=False)

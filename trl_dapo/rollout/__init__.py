@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from .paged_engine import GenerationOutput, PagedRolloutEngine, RolloutStats
+from .paged_engine import GenerationOutput, PagedRolloutEngine, RolloutStats, RolloutStream
 from .sampling import SamplingSettings
 from .sharded import is_zero3, parameter_gather
 from .static_engine import StaticRolloutEngine
@@ -111,6 +111,7 @@ __all__ = [
     "GenerationOutput",
     "PagedRolloutEngine",
     "RolloutStats",
+    "RolloutStream",
     "SamplingSettings",
     "StaticRolloutEngine",
     "sampling_settings",

@@ -51,6 +51,7 @@ class RolloutStats:
     decode_steps: int = 0
     slot_steps: int = 0  # sum over decode steps of the decode batch's slots
     busy_slot_steps: int = 0  # of those, slots whose row was still generating
+    pool_slot_steps: int = 0  # sum over decode steps of the call's whole pool of slots (busy / this: occupancy)
     prefill_tokens: int = 0
     preemptions: int = 0
     synchronisations: int = 0
@@ -194,6 +195,21 @@ class PagedRolloutEngine:
         self._rope_tables(max(map(len, prompt_ids)) + settings.max_new_tokens)
         return _Generation(self, prompt_ids, settings).run()
 
+    @torch.no_grad()
+    def stream(
+        self,
+        prompt_ids: list[list[int]],
+        settings: SamplingSettings,
+        resumed: list[tuple[list[int], torch.Tensor]] | None = None,
+    ) -> RolloutStream:
+        """A generation call that takes more prompts while it decodes (streaming dynamic sampling), starting with
+        `prompt_ids` (`resumed`: as in `RolloutStream.add`); its decode slots are `max_rows`."""
+        if not prompt_ids or any(len(prompt) == 0 for prompt in prompt_ids):
+            raise ValueError("stream needs at least one prompt to start, and no prompt may be empty.")
+        if settings.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={settings.max_new_tokens} must be at least 1.")
+        return RolloutStream(self, prompt_ids, settings, resumed)
+
     def cache_bytes_per_token(self) -> int:
         return 2 * len(self.snapshot.layers) * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
@@ -214,12 +230,15 @@ class PagedRolloutEngine:
         wanted = unique_prompt_tokens + len(prompt_ids) * (max_new_tokens + 2 * self.page_size)
         if self.max_cache_tokens is not None:
             wanted = min(wanted, self.max_cache_tokens)
-        pages = math.ceil(wanted / self.page_size)
+        return self._budget_pages(math.ceil(wanted / self.page_size), len(prompt_ids), max_new_tokens)
+
+    def _budget_pages(self, pages: int, rows: int, max_new_tokens: int) -> int:
+        """`pages`, at most what the memory budget leaves for the KV cache of a call with `rows` output rows."""
         if self.device.type == "cuda":
             budget = self.memory_fraction * torch.cuda.get_device_properties(self.device).total_memory
-            rows = slot_bucket(min(len(prompt_ids), self.max_rows), self.max_rows)
-            outputs = (len(prompt_ids) + 1) * max_new_tokens * 8
-            free = budget - torch.cuda.memory_allocated(self.device) - self._workspace_bytes(rows) - outputs
+            slots = slot_bucket(min(rows, self.max_rows), self.max_rows)
+            outputs = (rows + 1) * max_new_tokens * 8
+            free = budget - torch.cuda.memory_allocated(self.device) - self._workspace_bytes(slots) - outputs
             pages = min(pages, int(free // (self.page_size * self.cache_bytes_per_token())) - 1)
         return pages
 
@@ -256,15 +275,25 @@ class _SlotState:
 class _Generation:
     """One `generate` call: its KV pool, slots, graphs and outputs, and the loop that drives the scheduler."""
 
-    def __init__(self, engine: PagedRolloutEngine, prompt_ids: list[list[int]], settings: SamplingSettings) -> None:
+    def __init__(
+        self,
+        engine: PagedRolloutEngine,
+        prompt_ids: list[list[int]],
+        settings: SamplingSettings,
+        capacity: int | None = None,
+        num_pages: int | None = None,
+    ) -> None:
+        """`capacity`: output rows to allocate (a stream adds rows up to it; default: the prompts'); `num_pages`: the
+        KV pool (default: sized for `prompt_ids`)."""
         self.engine, self.settings = engine, settings
-        self.rows, self.max_new = len(prompt_ids), settings.max_new_tokens
+        self.rows, self.max_new = capacity or len(prompt_ids), settings.max_new_tokens
         device, page_size = engine.device, engine.page_size
-        num_pages = engine.cache_pages(prompt_ids, self.max_new)
+        if num_pages is None:
+            num_pages = engine.cache_pages(prompt_ids, self.max_new)
         self.scheduler = Scheduler(
             prompt_ids, self.max_new, page_size, max(num_pages, 0), engine.max_rows, engine.sync_every
         )
-        self.stats = RolloutStats(rows=self.rows, cache_tokens=num_pages * page_size)
+        self.stats = RolloutStats(rows=len(prompt_ids), cache_tokens=num_pages * page_size)
         # one extra page at the end takes the writes of idle slots and padding; zeros, so that unwritten entries of a
         # page (read and masked out by the reference attention) are finite
         self.trash_slot = num_pages * page_size
@@ -296,20 +325,7 @@ class _Generation:
         timer = _DeviceTimer(engine.device)
         progress = _progress(engine.show_progress, self.rows)
         last_report = 0
-        while True:
-            with timer.section("prefill"):
-                self._admit()
-            if scheduler.done:
-                break
-            steps = min(engine.sync_every, int((self.max_new - scheduler.generated[scheduler.running]).max()))
-            bucket = slot_bucket(self.live, engine.max_rows)
-            decode = self._decoder(bucket)
-            with timer.section("decode"):
-                for _ in range(steps):
-                    decode()
-            stats.decode_steps += steps
-            stats.slot_steps += steps * bucket
-            self._synchronise()
+        while self._step(timer):
             if progress is not None:
                 generated = int(scheduler.generated.sum())
                 progress.update(generated - last_report)
@@ -324,6 +340,25 @@ class _Generation:
         if engine.device.type == "cuda":
             stats.peak_memory_bytes = torch.cuda.max_memory_allocated(engine.device)
         return self._collect(lengths)
+
+    def _step(self, timer: _DeviceTimer) -> bool:
+        """Admit waiting rows, decode up to `sync_every` steps and synchronise; False once no row is left."""
+        engine, scheduler, stats = self.engine, self.scheduler, self.stats
+        with timer.section("prefill"):
+            self._admit()
+        if scheduler.done:
+            return False
+        steps = min(engine.sync_every, int((self.max_new - scheduler.generated[scheduler.running]).max()))
+        bucket = slot_bucket(self.live, engine.max_rows)
+        decode = self._decoder(bucket)
+        with timer.section("decode"):
+            for _ in range(steps):
+                decode()
+        stats.decode_steps += steps
+        stats.slot_steps += steps * bucket
+        stats.pool_slot_steps += steps * self.slot_count
+        self._synchronise()
+        return True
 
     def _synchronise(self) -> None:
         """Read the running rows' counts back (one host synchronisation) and retire the finished ones."""
@@ -519,6 +554,138 @@ class _Generation:
         columns = torch.arange(self.max_new, device=self.engine.device)
         mask = columns < torch.from_numpy(lengths).to(self.engine.device).unsqueeze(1)
         return GenerationOutput(completions, self.out_logprobs[: self.rows] * mask, self.stats)
+
+
+class RolloutStream:
+    """One generation call fed while it runs: `add` queues rows of new prompts (refilling slots as rows end), `step`
+    decodes up to `sync_every` tokens per running row and reports the rows that ended, `outputs` reads them.
+
+    Its decode slots are the engine's `max_rows`; the KV pool is sized for that many rows at once with prompts as long
+    as the longest first one (within the memory budget; rows wait or are preempted beyond it); the output buffers
+    double when rows outgrow them (captured graphs are then captured again). Rows are never cut: the caller stops
+    stepping (dropping what is in flight) or steps until `idle` (finishing it).
+    """
+
+    def __init__(
+        self,
+        engine: PagedRolloutEngine,
+        prompt_ids: list[list[int]],
+        settings: SamplingSettings,
+        resumed: list[tuple[list[int], torch.Tensor]] | None = None,
+    ) -> None:
+        self.engine = engine
+        longest = max(map(len, prompt_ids))
+        engine._rope_tables(longest + settings.max_new_tokens)
+        rows = max(len(prompt_ids), engine.max_rows)  # output rows allocated (grown by `add`); all slots usable
+        at_once = engine.max_rows * (longest + settings.max_new_tokens + 2 * engine.page_size)
+        if engine.max_cache_tokens is not None:
+            at_once = min(at_once, engine.max_cache_tokens)
+        pages = engine._budget_pages(math.ceil(at_once / engine.page_size), rows, settings.max_new_tokens)
+        self._generation = _Generation(engine, prompt_ids, settings, capacity=rows, num_pages=max(pages, 0))
+        self._timer = _DeviceTimer(engine.device)
+        self._open = set(range(len(prompt_ids)))  # rows added and not yet reported as ended
+        self._resume(list(range(len(prompt_ids))), resumed)
+
+    @property
+    def stats(self) -> RolloutStats:
+        return self._generation.stats
+
+    @property
+    def rows(self) -> int:
+        """Rows added so far."""
+        return len(self._generation.scheduler.prompts)
+
+    @property
+    def idle(self) -> bool:
+        """No row waits or decodes."""
+        return self._generation.scheduler.done
+
+    def add(
+        self, prompt_ids: list[list[int]], resumed: list[tuple[list[int], torch.Tensor]] | None = None
+    ) -> list[int]:
+        """Queue rows (a prompt repeated for each of its samples shares one prefill); returns their row indices.
+        `resumed`: per row, tokens already sampled (by an earlier policy) and their logprobs, or empty ones: such a
+        row continues after them, its KV recomputed under the current weights, its old logprobs kept as they were."""
+        generation, engine = self._generation, self.engine
+        if not prompt_ids or any(len(prompt) == 0 for prompt in prompt_ids):
+            raise ValueError("add needs at least one prompt, and no prompt may be empty.")
+        length = max(map(len, prompt_ids)) + generation.max_new
+        if length > engine._rope_length:
+            engine._rope_tables(length)
+            generation.graphs.clear()  # captured graphs read the previous rotary tables
+        rows = generation.scheduler.add_rows(prompt_ids)
+        if self.rows > generation.rows:
+            self._grow_outputs(max(self.rows, 2 * generation.rows))
+        self._resume(rows, resumed)
+        width = 16 * math.ceil(generation.scheduler.max_pages / 16)
+        if width > generation.slots.page_table.size(1):  # a longer prompt than any before: widen the slot table
+            table = generation.slots.page_table
+            generation.slots.page_table = torch.zeros(table.size(0), width, dtype=table.dtype, device=table.device)
+            generation.slots.page_table[:, : table.size(1)] = table
+            generation.graphs.clear()  # captured graphs read the previous table
+        generation.stats.rows = self.rows
+        self._open.update(rows)
+        return rows
+
+    def _resume(self, rows: list[int], resumed: list[tuple[list[int], torch.Tensor]] | None) -> None:
+        """Rows that continue after tokens sampled earlier: those tokens and their logprobs in the outputs."""
+        if resumed is None:
+            return
+        if len(resumed) != len(rows):
+            raise ValueError(f"resumed: {len(resumed)} entries for {len(rows)} rows.")
+        generation = self._generation
+        for row, (tokens, logprobs) in zip(rows, resumed, strict=True):
+            if tokens:
+                generation.scheduler.resume(row, list(tokens))
+                generation.out_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+                generation.out_logprobs[row, : len(tokens)] = logprobs[: len(tokens)].to(generation.out_logprobs)
+
+    def _grow_outputs(self, rows: int) -> None:
+        """Reallocate the output buffers for `rows` rows (plus the row idle slots write to)."""
+        generation = self._generation
+        for name in ("out_tokens", "out_logprobs"):
+            old = getattr(generation, name)
+            new = torch.zeros(rows + 1, generation.max_new, dtype=old.dtype, device=old.device)
+            new[: generation.rows] = old[: generation.rows]
+            setattr(generation, name, new)
+        generation.rows, generation.dump_index = rows, rows * generation.max_new
+        generation.graphs.clear()  # captured graphs write to the previous buffers
+
+    @torch.no_grad()
+    def step(self) -> list[int]:
+        """Admit waiting rows, decode up to `sync_every` steps, synchronise; the rows that ended since the last step
+        (none once idle)."""
+        generation = self._generation
+        if not generation.scheduler.done:
+            generation._step(self._timer)
+        scheduler = generation.scheduler
+        pending = set(scheduler.running) | set(scheduler.waiting)
+        ended = sorted(self._open - pending)
+        self._open -= set(ended)
+        return ended
+
+    def outputs(self, rows: list[int]) -> tuple[list[list[int]], torch.Tensor]:
+        """Completions of `rows` (each cut after its EOS; an unfinished row's tokens so far, at the last step's
+        synchronisation) and their logprobs, (len(rows), max_new_tokens) on the engine's device, zero past each
+        completion."""
+        generation = self._generation
+        lengths = generation.scheduler.generated[rows]
+        index = torch.tensor(rows, dtype=torch.long, device=self.engine.device)
+        tokens = generation.out_tokens[index].cpu()
+        completions = [tokens[i, :length].tolist() for i, length in enumerate(lengths.tolist())]
+        columns = torch.arange(generation.max_new, device=self.engine.device)
+        mask = columns < torch.from_numpy(lengths).to(self.engine.device).unsqueeze(1)
+        return completions, generation.out_logprobs[index] * mask
+
+    def close(self) -> RolloutStats:
+        """The call's statistics; the KV pool is freed with the stream."""
+        stats, scheduler = self._generation.stats, self._generation.scheduler
+        stats.prefill_s, stats.decode_s = self._timer.seconds("prefill"), self._timer.seconds("decode")
+        stats.preemptions = scheduler.preemptions
+        stats.generated_tokens = int(scheduler.generated.sum())
+        if self.engine.device.type == "cuda":
+            stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.engine.device)
+        return stats
 
 
 class _DeviceTimer:

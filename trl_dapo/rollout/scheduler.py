@@ -101,17 +101,11 @@ class Scheduler:
         self.max_pages = math.ceil((int(self.prompt_lengths.max()) + max_new_tokens) / page_size)
         self.page_table = np.zeros((rows, self.max_pages), dtype=np.int32)
         self.page_count = np.zeros(rows, dtype=np.int64)
-        self.prompts = prompts
+        self.prompts = list(prompts)
         self.prefixes: dict[int, Prefix] = {}  # the ones still needed by a waiting row
         self._prefix_count = 0
         self.prefix_of: list[int] = []
-        by_prompt: dict[tuple[int, ...], Prefix] = {}
-        for prompt in prompts:
-            prefix = by_prompt.get(tuple(prompt))
-            if prefix is None:
-                prefix = by_prompt[tuple(prompt)] = self._new_prefix(list(prompt), waiting=0)
-            prefix.waiting += 1
-            self.prefix_of.append(prefix.index)
+        self._queue(prompts)
         self.waiting: deque[int] = deque(range(rows))
         self.running: list[int] = []  # rows in decode-slot order
         self.finished = 0
@@ -123,6 +117,40 @@ class Scheduler:
                 f"{int(self.prompt_lengths.max())} prompt + {max_new_tokens} new tokens; give the rollout engine "
                 "more memory or lower max_completion_length."
             )
+
+    def add_rows(self, prompts: list[list[int]]) -> list[int]:
+        """Queue rows of new prompts during a call (streaming refill): rows of one prompt in this call share its
+        prefix. Returns their row indices. The page table widens when a prompt is longer than any before."""
+        first = len(self.prompts)
+        lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+        longest = self._pages_for(int(lengths.max()) + self.max_new_tokens)
+        if longest + self.watermark > self.pool.num_pages:
+            raise ValueError(
+                f"KV cache of {self.pool.num_pages * self.page_size} tokens cannot hold one row of up to "
+                f"{int(lengths.max())} prompt + {self.max_new_tokens} new tokens; give the rollout engine more memory "
+                "or lower max_completion_length."
+            )
+        if longest > self.max_pages:
+            self.page_table = np.pad(self.page_table, ((0, 0), (0, longest - self.max_pages)))
+            self.max_pages = longest
+        self.prompt_lengths = np.concatenate([self.prompt_lengths, lengths])
+        self.generated = np.concatenate([self.generated, np.zeros(len(prompts), dtype=np.int64)])
+        self.page_table = np.concatenate([self.page_table, np.zeros((len(prompts), self.max_pages), np.int32)])
+        self.page_count = np.concatenate([self.page_count, np.zeros(len(prompts), dtype=np.int64)])
+        self.prompts.extend(prompts)
+        self._queue(prompts)
+        self.waiting.extend(range(first, first + len(prompts)))
+        return list(range(first, first + len(prompts)))
+
+    def _queue(self, prompts: list[list[int]]) -> None:
+        """One prefix per distinct prompt of `prompts`, each waited on by its rows."""
+        by_prompt: dict[tuple[int, ...], Prefix] = {}
+        for prompt in prompts:
+            prefix = by_prompt.get(tuple(prompt))
+            if prefix is None:
+                prefix = by_prompt[tuple(prompt)] = self._new_prefix(list(prompt), waiting=0)
+            prefix.waiting += 1
+            self.prefix_of.append(prefix.index)
 
     def _new_prefix(self, tokens: list[int], waiting: int, private: bool = False) -> Prefix:
         prefix = Prefix(self._prefix_count, tokens, waiting, private)
@@ -210,6 +238,20 @@ class Scheduler:
             if prefix.prefilled and not prefix.private and all(prefix is not kept for kept in keep):
                 self.pool.release(prefix.pages)
                 prefix.pages = []
+
+    def resume(self, row: int, tokens: list[int]) -> None:
+        """A waiting row not yet admitted continues after `tokens` (a partial rollout of an earlier call): its prompt
+        and those tokens are prefilled as its own sequence, as a preempted row's are."""
+        if not 0 < len(tokens) < self.max_new_tokens:
+            raise ValueError(f"a resumed row needs 1 to {self.max_new_tokens - 1} tokens, got {len(tokens)}.")
+        shared = self.prefixes[self.prefix_of[row]]
+        if shared.prefilled or row not in self.waiting:
+            raise ValueError("only a row that waits, behind a prompt not yet prefilled, can be resumed.")
+        shared.waiting -= 1
+        if shared.waiting == 0:
+            del self.prefixes[shared.index]
+        self.prefix_of[row] = self._new_prefix(self.prompts[row] + list(tokens), waiting=1, private=True).index
+        self.generated[row] = len(tokens)
 
     def requeue(self, row: int, generated_tokens: list[int]) -> None:
         """Put a preempted row back at the head of the queue, to be prefilled with its prompt and these tokens."""

@@ -48,10 +48,25 @@ class SamplingStats:
     discarded_qualified_groups: int = 0
     solved_prompts: float = 0.0
     partial: bool = False
+    generated_tokens: int = 0  # completion tokens generated for this generation batch
+    filtered_tokens: int = 0  # of those, in filtered groups
+    untrained_tokens: int = 0  # generated and never to be trained: discarded qualified groups, rows dropped in flight
+    surplus_tokens: int = 0  # of this batch's qualified groups, kept for a later batch
+    busy_slot_steps: int = 0  # decode slots busy, summed over decode steps and ranks (the engine's count)
+    pool_slot_steps: int = 0  # all decode slots of the engine's calls, likewise (0: no engine of trl-dapo)
 
     def metrics(self) -> dict[str, float]:
         generated = max(self.generated_groups, 1)
+        occupancy = (
+            {"dapo/slot_occupancy": self.busy_slot_steps / self.pool_slot_steps} if self.pool_slot_steps else {}
+        )
         return {
+            **occupancy,
+            "dapo/generated_tokens": self.generated_tokens,
+            "dapo/filtered_tokens": self.filtered_tokens,
+            "dapo/untrained_tokens": self.untrained_tokens,
+            "dapo/surplus_tokens": self.surplus_tokens,
+            "dapo/untrained_token_share": self.untrained_tokens / max(self.generated_tokens - self.filtered_tokens, 1),
             "dapo/gen_batches": self.gen_batches,
             "dapo/generated_groups": self.generated_groups,
             "dapo/qualified_groups": self.qualified_groups,
@@ -104,6 +119,9 @@ class DynamicSamplingBuffer:
         self.oversample = oversample
         self.max_oversample = max_oversample
         self.surplus: RolloutBatch | None = None
+        # stream mode, in_flight="carry": this rank's groups left in flight, resumed by the next stream (not saved
+        # with checkpoints: a resumed run generates them again)
+        self.carried: list = []
         self.surplus_birth = torch.zeros(0, dtype=torch.long)
         self.qualified_weight, self.generated_weight = 0.0, 0.0
 
@@ -125,6 +143,13 @@ class DynamicSamplingBuffer:
 
     def _group_rows(self, groups: torch.Tensor) -> torch.Tensor:
         return (groups.unsqueeze(1) * self.num_generations + torch.arange(self.num_generations)).flatten()
+
+    def _tokens(self, batch: RolloutBatch, groups: torch.Tensor | None = None) -> int:
+        """Completion tokens of `groups` of `batch` (all of them when None)."""
+        mask = batch["completion_mask"]
+        if groups is not None:
+            mask = mask[self._group_rows(groups).to(mask.device)]
+        return int(mask.sum())
 
     def _select_groups(self, batch: RolloutBatch, groups: torch.Tensor) -> RolloutBatch:
         return select_rows(batch, self._group_rows(groups).to(batch["completion_ids"].device))
@@ -148,19 +173,8 @@ class DynamicSamplingBuffer:
         the caller then skips the optimizer step.
         """
         stats = SamplingStats()
-        parts: list[RolloutBatch] = []
-        births: list[torch.Tensor] = []
-        if self.surplus is not None and self.num_surplus_groups:
-            fresh = (step - self.surplus_birth) <= self.max_surplus_age
-            stats.discarded_qualified_groups += int((~fresh).sum())
-            kept = fresh.nonzero().flatten()
-            if kept.numel():
-                parts.append(self._select_groups(self.surplus, kept))
-                births.append(self.surplus_birth[kept])
-            stats.surplus_used = int(kept.numel())
-        self.surplus, self.surplus_birth = None, torch.zeros(0, dtype=torch.long)
-
-        have, uninformative_run, candidates = stats.surplus_used, 0, None
+        parts, births, have = self._take_surplus(stats, step)
+        uninformative_run, candidates = 0, None
         while have < target_groups:
             if self.max_num_gen_batches and stats.gen_batches >= self.max_num_gen_batches:
                 break
@@ -170,26 +184,94 @@ class DynamicSamplingBuffer:
             if report is not None and stats.gen_batches:
                 report(stats.gen_batches, groups, have, target_groups)
             candidates, metric = generate_round(groups, stats.gen_batches)
-            keep = self._record_round(stats, candidates, metric.cpu())
+            metric = metric.cpu()
+            keep = self._record_round(stats, candidates, metric)
+            stats.generated_tokens += self._tokens(candidates)
+            filtered = torch.nonzero(~filter_groups(metric, self.num_generations)).flatten()
+            stats.filtered_tokens += self._tokens(candidates, filtered)
             uninformative_run = 0 if keep.numel() else uninformative_run + num_rows(candidates) // self.num_generations
             if keep.numel():
                 parts.append(self._select_groups(candidates, keep))
                 births.append(torch.full((keep.numel(),), step, dtype=torch.long))
                 have += keep.numel()
+        return self._cut(stats, parts, births, have, target_groups, group_multiple, step, candidates)
 
+    def fill_stream(
+        self,
+        target_groups: int,
+        stream: Callable[[int], tuple[RolloutBatch, SamplingStats]],
+        step: int,
+        group_multiple: int = 1,
+    ) -> tuple[RolloutBatch, SamplingStats]:
+        """`fill` for streaming dynamic sampling: surplus first, then one stream asked for the groups still missing,
+        which returns its kept groups (global, in acceptance order; possibly none) and its counts."""
+        stats = SamplingStats()
+        parts, births, have = self._take_surplus(stats, step)
+        kept = None
+        if have < target_groups:
+            kept, counts = stream(target_groups - have)
+            for name in (
+                "generated_groups", "qualified_groups", "filtered_all_correct", "filtered_all_wrong",
+                "solved_prompts", "generated_tokens", "filtered_tokens", "untrained_tokens", "surplus_tokens",
+                "busy_slot_steps", "pool_slot_steps",
+            ):  # fmt: skip
+                setattr(stats, name, getattr(stats, name) + getattr(counts, name))
+            stats.gen_batches = 1
+            stats.discarded_qualified_groups += counts.discarded_qualified_groups
+            self.qualified_weight = EFFICIENCY_DECAY * self.qualified_weight + counts.qualified_groups
+            self.generated_weight = EFFICIENCY_DECAY * self.generated_weight + counts.generated_groups
+            if num_rows(kept):
+                groups = num_rows(kept) // self.num_generations
+                parts.append(kept)
+                births.append(torch.full((groups,), step, dtype=torch.long))
+                have += groups
+        return self._cut(stats, parts, births, have, target_groups, group_multiple, step, kept, streamed=True)
+
+    def _take_surplus(self, stats: SamplingStats, step: int) -> tuple[list[RolloutBatch], list[torch.Tensor], int]:
+        """The surplus groups young enough for this batch (the others are counted as discarded); empties it."""
+        parts: list[RolloutBatch] = []
+        births: list[torch.Tensor] = []
+        if self.surplus is not None and self.num_surplus_groups:
+            fresh = (step - self.surplus_birth) <= self.max_surplus_age
+            stats.discarded_qualified_groups += int((~fresh).sum())
+            stats.untrained_tokens += self._tokens(self.surplus, (~fresh).nonzero().flatten())
+            kept = fresh.nonzero().flatten()
+            if kept.numel():
+                parts.append(self._select_groups(self.surplus, kept))
+                births.append(self.surplus_birth[kept])
+            stats.surplus_used = int(kept.numel())
+        self.surplus, self.surplus_birth = None, torch.zeros(0, dtype=torch.long)
+        return parts, births, stats.surplus_used
+
+    def _cut(
+        self,
+        stats: SamplingStats,
+        parts: list[RolloutBatch],
+        births: list[torch.Tensor],
+        have: int,
+        target_groups: int,
+        group_multiple: int,
+        step: int,
+        candidates: RolloutBatch | None,
+        streamed: bool = False,
+    ) -> tuple[RolloutBatch, SamplingStats]:
+        """The first `target_groups` groups found (fewer, a multiple of `group_multiple`, at the limit); the rest
+        become surplus, or are discarded."""
         take = min(have, target_groups)
         if take < target_groups:
             stats.partial = True
             take -= take % group_multiple
             if self.on_limit == "raise":
-                raise DynamicSamplingLimitError(self._limit_message(stats, have, target_groups))
+                raise DynamicSamplingLimitError(self._limit_message(stats, have, target_groups, streamed))
         accepted = concat_rollouts(parts, self.pad_token_id) if parts else candidates
         birth = torch.cat(births) if births else torch.zeros(0, dtype=torch.long)
         rest = torch.arange(take, have)
         if rest.numel() and (self.keep_surplus or stats.partial):
             self.surplus, self.surplus_birth = self._select_groups(accepted, rest), birth[rest]
+            stats.surplus_tokens += self._tokens(accepted, rest[birth[rest] == step])
         else:
             stats.discarded_qualified_groups += int(rest.numel())
+            stats.untrained_tokens += self._tokens(accepted, rest)
         stats.surplus_groups = self.num_surplus_groups
         return self._select_groups(accepted, torch.arange(take)), stats
 
@@ -213,10 +295,20 @@ class DynamicSamplingBuffer:
             f"all-correct: {stats.filtered_all_correct}, all-wrong: {stats.filtered_all_wrong}"
         )
 
-    def _limit_message(self, stats: SamplingStats, have: int, target: int) -> str:
+    def _limit_message(self, stats: SamplingStats, have: int, target: int, streamed: bool = False) -> str:
+        if streamed:
+            spent = (
+                f"Streaming dynamic sampling admitted its budget of groups (max_num_gen_batches="
+                f"{self.max_num_gen_batches} x dynamic_sampling_max_oversample={self.max_oversample} generation "
+                "batches)"
+            )
+        else:
+            spent = (
+                f"Dynamic sampling ran {stats.gen_batches} candidate generation rounds (max_num_gen_batches="
+                f"{self.max_num_gen_batches})"
+            )
         return (
-            f"Dynamic sampling ran {stats.gen_batches} candidate generation rounds (max_num_gen_batches="
-            f"{self.max_num_gen_batches}) and found {have} of the {target} informative groups this batch needs "
+            f"{spent} and found {have} of the {target} informative groups this batch needs "
             f"({self._found(stats)}). Set dynamic_sampling_on_limit='train_on_partial' to train on the groups found "
             "(and skip the step when there are none), raise max_num_gen_batches, or use prompts whose difficulty "
             "suits the model."

@@ -15,6 +15,8 @@ from .mismatch import CORRECTION_MODES
 ON_LIMIT_CHOICES = ("raise", "train_on_partial")
 ROLLOUT_ENGINES = ("auto", "paged", "static", "trl")
 OLD_LOGPROBS_CHOICES = ("rollout", "recompute")
+SAMPLING_MODES = ("rounds", "stream")
+IN_FLIGHT_CHOICES = ("finish", "drop", "carry")
 DEFAULT_CORRECTION_MAX = 2.0
 
 
@@ -106,6 +108,25 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             need one round.
         dynamic_sampling_max_oversample (`float`, *optional*, defaults to `4.0`):
             Memory cap: a candidate round never exceeds this many times the generation batch's groups.
+        dynamic_sampling_mode (`str`, *optional*, defaults to `"rounds"`):
+            `"rounds"`: candidate rounds, each generated to its longest row, then scored and filtered. `"stream"`:
+            one generation call per generation batch on the paged engine that scores each group as its last row
+            ends, keeps or drops it at once and refills the freed decode slots with new prompts until the kept groups
+            cover the batch (no round tail); its admissions are bounded by `max_num_gen_batches` x
+            `dynamic_sampling_max_oversample` generation batches of groups (with `max_num_gen_batches=0`: one pass
+            over the training set). Needs `rollout_engine="paged"` (or `"auto"` on CUDA) and reward functions that
+            are plain callables.
+        dynamic_sampling_in_flight (`str`, *optional*, defaults to `"finish"`):
+            Stream mode: what happens to rows still decoding when the batch is full. `"finish"`: no new prompts, the
+            rows in flight finish; their informative groups become surplus (with their rollout logprobs, bounded by
+            `max_surplus_age`). `"drop"`: they are abandoned at once (their tokens are wasted, the step ends sooner).
+            `"carry"`: they stop now and resume in the next generation batch's stream (partial rollouts): their KV is
+            recomputed under the new weights, each token keeps the logprob of the policy that sampled it, and a group
+            older than `max_surplus_age` optimizer steps is dropped.
+        dynamic_sampling_stream_sync_every (`int`, *optional*, defaults to `1`):
+            Stream mode: engine synchronisations (each `sync_every` decode steps) between two agreements of the
+            ranks on the kept and in-flight counts (one small all-reduce); admissions and the end of the batch are
+            decided there only, so the kept groups depend on the seed and the number of ranks, not on timing.
         overlong_buffer_len (`int` or `None`, *optional*, defaults to `None`):
             Soft overlong punishment buffer L_cache: completions longer than `max_completion_length -
             overlong_buffer_len` get a penalty growing linearly to `-overlong_penalty_factor` at
@@ -180,6 +201,23 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     )
     dynamic_sampling_max_oversample: float = field(
         default=4.0, metadata={"help": "Cap on a candidate round, in generation batches."}
+    )
+    dynamic_sampling_mode: str = field(
+        default="rounds",
+        metadata={
+            "help": "'rounds' (candidate rounds) or 'stream' (refill slots as groups end).",
+            "choices": SAMPLING_MODES,
+        },
+    )
+    dynamic_sampling_in_flight: str = field(
+        default="finish",
+        metadata={
+            "help": "Stream mode, rows in flight when full: 'finish', 'drop' or 'carry'.",
+            "choices": IN_FLIGHT_CHOICES,
+        },
+    )
+    dynamic_sampling_stream_sync_every: int = field(
+        default=1, metadata={"help": "Stream mode: engine synchronisations between cross-rank agreements."}
     )
     overlong_buffer_len: int | None = field(
         default=None, metadata={"help": "Soft overlong punishment buffer; None = a fifth of max_completion_length."}
@@ -322,6 +360,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             raise _bad("dynamic_sampling_max_oversample", self.dynamic_sampling_max_oversample, "use a value >= 1.")
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise _bad("rollout_engine", self.rollout_engine, f"use one of {ROLLOUT_ENGINES}.")
+        self._validate_sampling_mode()
         if not 0 < self.rollout_memory_fraction <= 1:
             raise _bad("rollout_memory_fraction", self.rollout_memory_fraction, "use a share in (0, 1], e.g. 0.85.")
         if self.rollout_max_rows < 1:
@@ -331,6 +370,47 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 "overlong_penalty_factor", self.overlong_penalty_factor, "use a non-negative value (DAPO: 1.0)."
             )
         self._validate_old_policy()
+
+    def _validate_sampling_mode(self) -> None:
+        """Stream mode and its settings; a stream setting without stream mode would be ignored."""
+        if self.dynamic_sampling_mode not in SAMPLING_MODES:
+            raise _bad("dynamic_sampling_mode", self.dynamic_sampling_mode, f"use one of {SAMPLING_MODES}.")
+        if self.dynamic_sampling_in_flight not in IN_FLIGHT_CHOICES:
+            raise _bad(
+                "dynamic_sampling_in_flight", self.dynamic_sampling_in_flight, f"use one of {IN_FLIGHT_CHOICES}."
+            )
+        if self.dynamic_sampling_stream_sync_every < 1:
+            raise _bad("dynamic_sampling_stream_sync_every", self.dynamic_sampling_stream_sync_every, "use 1 or more.")
+        if self.dynamic_sampling_mode == "rounds":
+            for name, default in (("dynamic_sampling_in_flight", "finish"), ("dynamic_sampling_stream_sync_every", 1)):
+                if getattr(self, name) != default:
+                    raise _bad(
+                        name,
+                        getattr(self, name),
+                        "it acts in stream mode only: set dynamic_sampling_mode='stream' or leave it at its default.",
+                    )
+            return
+        if not self.dynamic_sampling:
+            raise _bad(
+                "dynamic_sampling_mode",
+                "stream",
+                "streaming is a way of doing dynamic sampling: set dynamic_sampling=True or use 'rounds'.",
+            )
+        if self.dynamic_sampling_oversample != "1.0":
+            raise _bad(
+                "dynamic_sampling_oversample",
+                self.dynamic_sampling_oversample,
+                "it sizes candidate rounds, which stream mode does not have (it admits groups from the running "
+                "efficiency as slots free): leave it at '1.0', or use dynamic_sampling_mode='rounds'.",
+            )
+        if self.rollout_engine in ("trl", "static") or self.use_vllm:
+            engine = "use_vllm=True" if self.use_vllm else f"rollout_engine={self.rollout_engine!r}"
+            raise _bad(
+                "dynamic_sampling_mode",
+                "stream",
+                f"streaming refills the decode slots of trl-dapo's paged engine, which {engine} does not use: set "
+                "rollout_engine='paged' (or 'auto' on CUDA), or dynamic_sampling_mode='rounds'.",
+            )
 
     def _validate_old_policy(self) -> None:
         """The old-policy choice and its rollout correction; a threshold without a correction would be ignored."""

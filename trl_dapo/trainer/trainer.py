@@ -3,11 +3,12 @@ token-mean and dynamic sampling.
 
 Hooks overridden, and why:
 - `_calculate_rewards`: check the rewards and hand the raw per-function values (with each completion's length and
-  truncation) to the group filter and the trained-batch metrics.
+  truncation) to the group filter and the trained-batch metrics; in stream mode, gather the stream's own scores.
 - `_generate_and_score_completions`: wraps TRL's (never copies it): one call per candidate round, rollout logprobs
   recorded, the global view filtered by the dynamic-sampling buffer, whole groups re-sharded to the ranks, and with
   `old_logprobs="recompute"` the old policy recomputed where no pass has computed it yet.
-- `_generate_single_turn`: routes training generation to the static-cache engine when it applies.
+- `_generate_single_turn`: routes training generation to trl-dapo's engine when it applies; in stream mode, hands
+  back the completions the stream generated.
 - `_prepare_inputs`: splits a generation batch into micro-batches and gives each the global token count of its own
   optimizer step (TRL divides by the generation batch's average instead).
 - `_compute_loss`: the DAPO loss of `loss.py` against the old policy (the rollout logprobs, or the training model's
@@ -17,6 +18,8 @@ Hooks overridden, and why:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import logging
 import math
@@ -28,16 +31,24 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import gather_object
 from datasets import IterableDataset
+from torch import nn
 from tqdm.auto import tqdm
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
+from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import shuffle_sequence_dict
+from trl.trainer.utils import is_async_callable, shuffle_sequence_dict
 
 from ..integrity import RolloutIntegrityError, check_completions, check_groups, check_rewards
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
-from ..rollout import sampling_settings, select_rollout_engine
-from ..sampling import DynamicSamplingBuffer, SamplingStats, make_prompt_stream
+from ..rollout import PagedRolloutEngine, sampling_settings, select_rollout_engine
+from ..sampling import (
+    DynamicSamplingBuffer,
+    DynamicSamplingLimitError,
+    SamplingStats,
+    filter_groups,
+    make_prompt_stream,
+)
 from ..sampling.rollout_batch import (
     LOGPROB_KEYS,
     OLD_LOGPROBS_STEP,
@@ -53,6 +64,7 @@ from ..sampling.rollout_batch import (
     shard_rows,
     trim_padding,
 )
+from ..sampling.stream import GroupStream, StreamedGroup
 from .batch_metrics import trained_batch_metric_names, trained_batch_metrics
 from .config import DAPOConfig
 from .handoff import HandOff
@@ -75,6 +87,21 @@ class RoundScores:
     rewards: torch.Tensor  # (rows, reward functions), NaN where a function does not apply
     completion_lengths: torch.Tensor  # tokens per completion
     truncated: torch.Tensor  # cut at max_completion_length: the last token is neither EOS nor padding (TRL's rule)
+
+
+@dataclass
+class StreamedRows:
+    """A rank's share of the streamed groups, handed to TRL's method: what `_generate_single_turn` returns instead of
+    generating, and the rewards `_calculate_rewards` returns instead of scoring again."""
+
+    prompt_ids: list[list[int]]
+    completions: list[list[int]]
+    logprobs: torch.Tensor  # (rows, max_new_tokens)
+    rewards: torch.Tensor  # (rows, reward functions), this rank's rows
+
+
+# Admissions of one streamed generation batch with unlimited rounds and a stream of unknown size, in batches of groups.
+UNKNOWN_SIZE_STREAM_BATCHES = 16
 
 
 class DAPOTrainer(GRPOTrainer):
@@ -128,6 +155,11 @@ class DAPOTrainer(GRPOTrainer):
         self._engine_weights_step: int | None = None
         self._engine_logprobs: HandOff[torch.Tensor] = HandOff("engine logprobs")
         self._round_scores: HandOff[RoundScores] = HandOff("round scores")
+        self._streamed: HandOff[StreamedRows] = HandOff("streamed rows")
+        self._streamed_rewards: HandOff[torch.Tensor] = HandOff("streamed rewards")
+        self._engine_slots: HandOff[tuple[int, int]] = HandOff("engine slot counts")
+        if args.dynamic_sampling_mode == "stream":
+            self._check_stream_set_up()
         self._trained_batch_metric_names = trained_batch_metric_names(self.reward_func_names)
         self._skipped_steps = 0
 
@@ -162,6 +194,23 @@ class DAPOTrainer(GRPOTrainer):
                 "lower per_device_train_batch_size, steps_per_generation or the number of processes."
             )
 
+    def _check_stream_set_up(self) -> None:
+        """Stream mode scores groups on the host while the paged engine decodes: say what is missing."""
+        if not isinstance(self.rollout_engine, PagedRolloutEngine):
+            raise ValueError(
+                "DAPOConfig.dynamic_sampling_mode='stream' refills the decode slots of trl-dapo's paged engine, which "
+                f"this trainer does not generate with (rollout_engine={self.args.rollout_engine!r}: on this set-up "
+                "TRL's path generates, see the log for why). Set rollout_engine='paged' (its CPU path works for "
+                "tests), or dynamic_sampling_mode='rounds'."
+            )
+        for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True):
+            if isinstance(function, nn.Module) or is_async_callable(function):
+                raise ValueError(
+                    f"reward_funcs: {name!r} is a reward model or an async function; dynamic_sampling_mode='stream' "
+                    "scores each group on its own rank as it ends and supports plain callables only: use "
+                    "dynamic_sampling_mode='rounds', or wrap it in a plain function."
+                )
+
     def _resolve_filter_column(self, metric: str | None) -> int | None:
         """Column of the per-function rewards the filter reads; `None` means the weighted total."""
         if metric is None:
@@ -178,6 +227,15 @@ class DAPOTrainer(GRPOTrainer):
     # ----------------------------------------------------------------------------------------------- generation
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        streamed = self._streamed.take_if_any()
+        if streamed is not None:  # stream mode: these rows are already generated
+            if [list(ids) for ids in prompt_ids] != streamed.prompt_ids:
+                raise RolloutIntegrityError(
+                    "stream mode: the prompts TRL tokenized differ from the ones the stream generated for."
+                )
+            self._engine_logprobs.put(streamed.logprobs)
+            self._streamed_rewards.put(streamed.rewards)
+            return streamed.completions, None
         if self.rollout_engine is None or not self.model.training or images is not None or multimodal_fields:
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
@@ -189,10 +247,17 @@ class DAPOTrainer(GRPOTrainer):
         completions, logprobs = output[0], output[1]
         # The logprobs stay on the device for `_rollout_logprobs`: as Python lists TRL would rebuild them row by row.
         self._engine_logprobs.put(logprobs)
+        stats = getattr(output, "stats", None)
+        if stats is not None and hasattr(stats, "pool_slot_steps"):
+            self._engine_slots.put((stats.busy_slot_steps, stats.pool_slot_steps))
         return completions, None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        streamed = self._streamed_rewards.take_if_any()
+        if streamed is None:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        else:  # stream mode scored these rows as their groups ended: gather them as TRL gathers its own
+            rewards_per_func = self.accelerator.gather(streamed.to(self.accelerator.device))
         # The overlong penalty shapes a score but is none: a completion the task functions all skip is unscored.
         task = slice(0, self.num_task_rewards)
         check_rewards(
@@ -216,28 +281,207 @@ class DAPOTrainer(GRPOTrainer):
             return super()._generate_and_score_completions(inputs)
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         if not self.args.dynamic_sampling:
-            batch, _ = self._rollout_round(inputs, trained_as_generated=True)
+            batch, _, _ = self._rollout_round(inputs, trained_as_generated=True)
             return self._with_old_policy(shard_rows(batch, rank, world))
-
-        def generate_round(groups: int, round_index: int) -> tuple[RolloutBatch, torch.Tensor]:
-            rows = gather_object(inputs) if round_index == 0 else []  # the first round is the dataloader's batch
-            rows += self._stream_rows(groups - len(rows) // self.num_generations)
-            share = len(rows) // world
-            return self._rollout_round(rows[rank * share : (rank + 1) * share], trained_as_generated=False)
-
-        with _RoundProgress(enabled=self.accelerator.is_main_process and not self.args.disable_tqdm) as progress:
-            batch, stats = self.sampling_buffer.fill(
-                self.args.generation_batch_size // self.num_generations,
-                generate_round,
+        target = self.args.generation_batch_size // self.num_generations
+        group_multiple = world // math.gcd(self.num_generations, world)
+        if self.args.dynamic_sampling_mode == "stream":
+            batch, stats = self.sampling_buffer.fill_stream(
+                target,
+                lambda missing: self._stream_groups(inputs, missing, target, group_multiple),
                 step=self.state.global_step,
-                group_multiple=world // math.gcd(self.num_generations, world),
-                dataset_prompts=self.prompt_stream.num_prompts,
-                report=progress,
+                group_multiple=group_multiple,
             )
+        else:
+            slots = torch.zeros(2, dtype=torch.long)  # busy and all decode slot-steps of the engine's calls
+
+            def generate_round(groups: int, round_index: int) -> tuple[RolloutBatch, torch.Tensor]:
+                rows = gather_object(inputs) if round_index == 0 else []  # the first round is the dataloader's batch
+                rows += self._stream_rows(groups - len(rows) // self.num_generations)
+                share = len(rows) // world
+                batch, metric, round_slots = self._rollout_round(
+                    rows[rank * share : (rank + 1) * share], trained_as_generated=False
+                )
+                slots.add_(torch.tensor(round_slots))
+                return batch, metric
+
+            with _RoundProgress(enabled=self.accelerator.is_main_process and not self.args.disable_tqdm) as progress:
+                batch, stats = self.sampling_buffer.fill(
+                    target,
+                    generate_round,
+                    step=self.state.global_step,
+                    group_multiple=group_multiple,
+                    dataset_prompts=self.prompt_stream.num_prompts,
+                    report=progress,
+                )
+            busy, pool = self.accelerator.reduce(slots.to(self.accelerator.device), reduction="sum").tolist()
+            stats.busy_slot_steps, stats.pool_slot_steps = int(busy), int(pool)
         self._log_sampling(stats)
         if num_rows(batch):
             self._log_trained_batch(batch)
         return self._with_old_policy(shard_rows(batch, rank, world))
+
+    def _stream_groups(
+        self, inputs: list[dict[str, Any]], missing: int, target: int, group_multiple: int
+    ) -> tuple[RolloutBatch | None, SamplingStats]:
+        """Stream mode: each rank streams its prompts (its share of the dataloader batch's prompts, then every
+        `world`-th prompt of the extra stream) through one call of the paged engine until the kept groups of all
+        ranks cover `missing`; then the kept groups are gathered, in rank then finish order, and go through TRL's
+        method as rows already generated and scored. Returns the global batch of kept groups and the counts."""
+        rank, world, args = self.accelerator.process_index, self.accelerator.num_processes, self.args
+        G = self.num_generations
+        firsts = gather_object(inputs)[::G]  # the dataloader batch repeats each prompt G times
+        own = iter(firsts[rank::world])
+        blocks = 0  # extra-stream blocks of `world` prompts this rank drew (one prompt of each is its own)
+
+        def next_prompt() -> tuple[dict[str, Any], list[int]]:
+            nonlocal blocks
+            row = next(own, None)
+            if row is None:
+                row, blocks = self.prompt_stream.take(world)[rank], blocks + 1
+            prompt_ids = self._tokenize_prompts(copy.deepcopy([row["prompt"]]))[0][0]
+            return row, list(prompt_ids)
+
+        if self._engine_weights_step != self.state.global_step:
+            self.rollout_engine.sync_weights(self.accelerator.unwrap_model(self.model))
+            self._engine_weights_step = self.state.global_step
+        settings = sampling_settings(args)
+        stream = GroupStream(
+            start=lambda prompts, resumed: self.rollout_engine.stream(prompts, settings, resumed),
+            next_prompt=next_prompt,
+            score=self._score_group,
+            agree=self._sum_over_ranks,
+            num_generations=G,
+            world=world,
+            sync_every=args.dynamic_sampling_stream_sync_every,
+            in_flight=args.dynamic_sampling_in_flight,
+            prior=(self.sampling_buffer.qualified_weight, self.sampling_buffer.generated_weight),
+        )
+        dataset_prompts = self.prompt_stream.num_prompts
+        if args.max_num_gen_batches:
+            budget = math.ceil(args.max_num_gen_batches * args.dynamic_sampling_max_oversample * target)
+        else:
+            budget = dataset_prompts if dataset_prompts is not None else UNKNOWN_SIZE_STREAM_BATCHES * target
+        # in flight at once: the most one candidate round may hold (the same memory cap as in rounds)
+        max_in_flight = max(math.ceil(args.dynamic_sampling_max_oversample * target), missing)
+        # this rank's groups carried in flight from the last batch, unless older than max_surplus_age
+        step, buffer = self.state.global_step, self.sampling_buffer
+        carried = [group for group in buffer.carried if step - group.birth <= args.max_surplus_age]
+        aged_tokens = sum(group.earlier_tokens for group in buffer.carried) - sum(g.earlier_tokens for g in carried)
+        outcome = stream.run(missing, max(budget, missing), max_in_flight, carried)
+        buffer.carried = [
+            group if group.birth >= 0 else dataclasses.replace(group, birth=step) for group in outcome.carried
+        ]
+        # every rank's extra stream ends at the same position: the furthest any rank drew
+        furthest = int(self.accelerator.reduce(torch.tensor(blocks, device=self.accelerator.device), "max"))
+        if furthest > blocks:
+            self.prompt_stream.take(world * (furthest - blocks))
+        shared = {
+            "kept": [_to_host(group) for group in outcome.kept],
+            "counts": [
+                outcome.generated_groups, outcome.qualified_groups, outcome.filtered_all_correct,
+                outcome.filtered_all_wrong, outcome.solved_prompts, outcome.generated_tokens, outcome.filtered_tokens,
+                outcome.busy_slot_steps, outcome.pool_slot_steps, outcome.carried_tokens, aged_tokens,
+            ],
+        }  # fmt: skip
+        everyone = gather_object([shared])
+        totals = [sum(values) for values in zip(*(rank_share["counts"] for rank_share in everyone), strict=True)]
+        stats = SamplingStats(
+            generated_groups=int(totals[0]), qualified_groups=int(totals[1]), filtered_all_correct=int(totals[2]),
+            filtered_all_wrong=int(totals[3]), solved_prompts=float(totals[4]), generated_tokens=int(totals[5]),
+            filtered_tokens=int(totals[6]), busy_slot_steps=int(totals[7]), pool_slot_steps=int(totals[8]),
+            surplus_tokens=int(totals[9]),  # the carried groups' tokens of this batch, kept for the next
+        )  # fmt: skip
+        if not args.max_num_gen_batches and dataset_prompts is not None and not stats.qualified_groups:
+            raise DynamicSamplingLimitError(self.sampling_buffer._full_pass_message(stats, dataset_prompts))
+        kept = [group for rank_share in everyone for group in rank_share["kept"]]
+        usable = len(kept) - len(kept) % group_multiple  # the rows must share equally over the ranks
+        stats.discarded_qualified_groups = len(kept) - usable
+        kept = kept[:usable]
+        kept_tokens = sum(group.fresh_tokens for group in kept)
+        # tokens of this batch neither filtered nor kept nor carried: rows dropped in flight, groups cut for the ranks'
+        # shares; and carried groups that aged out
+        stats.untrained_tokens = (
+            stats.generated_tokens - stats.filtered_tokens - kept_tokens - stats.surplus_tokens + int(totals[10])
+        )
+        if not kept:
+            return self._empty_rollout(), stats
+        rows = [(group, index) for group in kept for index in range(G)]
+        share = len(rows) // world
+        mine = rows[rank * share : (rank + 1) * share]
+        device = self.accelerator.device
+        self._streamed.put(
+            StreamedRows(
+                prompt_ids=[group.prompt_ids for group, _ in mine],
+                completions=[group.completions[index] for group, index in mine],
+                logprobs=torch.stack([group.logprobs[index] for group, index in mine]).to(device),
+                rewards=torch.stack([group.rewards[index] for group, index in mine]),
+            )
+        )
+        batch, metric, _ = self._rollout_round(
+            [group.rows[index] for group, index in mine], trained_as_generated=False
+        )
+        if not bool(filter_groups(metric.cpu(), G).all()):
+            raise RolloutIntegrityError(
+                "stream mode: a kept group is not informative once gathered; a rank lost rows."
+            )
+        return batch, stats
+
+    def _empty_rollout(self) -> RolloutBatch:
+        """A global batch of no rows with the keys a round's batch has (a stream that kept nothing)."""
+        device = self.accelerator.device
+        empty = torch.zeros(0, 0, dtype=torch.long, device=device)
+        batch = {key: empty for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        batch["old_per_token_logps"] = torch.zeros(0, 0, device=device)
+        if self.args.old_logprobs == "recompute":
+            batch["sampling_per_token_logps"] = torch.zeros(0, 0, device=device)
+            batch[OLD_LOGPROBS_STEP] = torch.zeros(0, dtype=torch.long, device=device)
+        batch["advantages"] = torch.zeros(0, device=device)
+        batch["rewards"] = torch.zeros(0, len(self.reward_funcs), device=device)
+        batch["truncated"] = torch.zeros(0, dtype=torch.bool, device=device)
+        batch["completion_lengths"] = torch.zeros(0, dtype=torch.long, device=device)
+        return batch
+
+    def _score_group(
+        self, rows: list[dict[str, Any]], prompt_ids: list[int], completion_ids: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One finished group's rewards on this rank, with TRL's arguments to each reward function (its dataset
+        columns, `trainer_state`, `log_metric`; `log_extra` columns are not kept in stream mode), and its filter
+        metric. No collective: ranks finish groups at different times."""
+        prompts = [row["prompt"] for row in rows]
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        if is_conversational({"prompt": prompts[0]}):
+            completions = [[{"role": "assistant", "content": text}] for text in texts]
+        else:
+            completions = texts
+        columns = {
+            key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")
+        }
+        extra = dict(trainer_state=self.state, log_extra=lambda *args: None, log_metric=self._log_metric)
+        rewards = torch.full((len(rows), len(self.reward_funcs)), torch.nan)
+        for column, function in enumerate(self.reward_funcs):
+            values = function(
+                prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra
+            )
+            if len(values) != len(rows):
+                raise RolloutIntegrityError(
+                    f"reward function {self.reward_func_names[column]!r} returned {len(values)} rewards for "
+                    f"{len(rows)} completions; each completion needs one."
+                )
+            rewards[:, column] = torch.tensor([torch.nan if v is None else float(v) for v in values])
+        task = slice(0, self.num_task_rewards)
+        check_rewards(rewards[:, task], len(rows), self.reward_func_names[task])
+        if self.filter_column is None:
+            metric = (rewards * self.reward_weights).nansum(dim=1)
+        else:
+            metric = rewards[:, self.filter_column]
+        return rewards, metric
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        if self.accelerator.num_processes == 1:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
+        return self.accelerator.reduce(tensor, reduction="sum").tolist()
 
     def _stream_rows(self, groups: int) -> list[dict[str, Any]]:
         """Rows (each prompt repeated `num_generations` times) of the next `groups` prompts of the extra stream."""
@@ -247,8 +491,9 @@ class DAPOTrainer(GRPOTrainer):
 
     def _rollout_round(
         self, local_inputs: list[dict[str, Any]], trained_as_generated: bool
-    ) -> tuple[RolloutBatch, torch.Tensor]:
-        """Generate and score one candidate round with TRL; return the checked global batch and its filter metric.
+    ) -> tuple[RolloutBatch, torch.Tensor, tuple[int, int]]:
+        """Generate and score one candidate round with TRL; return the checked global batch, its filter metric and
+        this rank's engine slot counts (busy and all decode slot-steps; zeros without trl-dapo's paged engine).
 
         Unless the round is trained as generated (no dynamic sampling), TRL's completion and reward metrics of the
         round are removed: they would describe candidates, and `_log_trained_batch` logs the accepted groups'.
@@ -256,6 +501,7 @@ class DAPOTrainer(GRPOTrainer):
         marks = None if trained_as_generated else self._metric_marks()
         output = super()._generate_and_score_completions(local_inputs)
         scores = self._round_scores.take()
+        slots = self._engine_slots.take_if_any() or (0, 0)
         if marks is not None:
             self._drop_metrics_since(marks)
         unknown = set(output) - set(PADDED_KEYS) - set(ROW_KEYS) - set(DROPPED_KEYS)
@@ -293,7 +539,7 @@ class DAPOTrainer(GRPOTrainer):
             metric = (scores.rewards * self.reward_weights.to(scores.rewards.device)).nansum(dim=1)
         else:
             metric = scores.rewards[:, self.filter_column]
-        return batch, metric
+        return batch, metric, slots
 
     @staticmethod
     def _model_token_counts(batch: RolloutBatch, lengths: torch.Tensor) -> torch.Tensor:
@@ -589,6 +835,11 @@ class DAPOTrainer(GRPOTrainer):
             if self.prompt_stream is not None and state["prompt_stream"] is not None:
                 self.prompt_stream.load_state_dict(state["prompt_stream"])
             self._skipped_steps = state["skipped_steps"]
+
+
+def _to_host(group: StreamedGroup) -> StreamedGroup:
+    """A kept group with its tensors on the CPU, to be gathered to every rank."""
+    return dataclasses.replace(group, logprobs=group.logprobs.cpu(), rewards=group.rewards.cpu())
 
 
 def _column_names(dataset) -> list[str] | None:

@@ -1,0 +1,283 @@
+"""Streaming dynamic sampling on the paged engine (CPU): groups are scored as they end and slots refilled, and with
+pinned lengths and a reward fixed by the prompt the kept groups are exactly the ones predicted from the prompt order."""
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import arithmetic_prompts, dapo_args
+from trl_dapo import DAPOTrainer
+from trl_dapo.sampling import DynamicSamplingLimitError
+from trl_dapo.sampling.stream import GroupStream
+
+PROMPTS = 40
+TARGET_GROUPS = 4  # per_device_train_batch_size 8 x gradient_accumulation_steps 2 / num_generations 4
+
+
+def reward_by_prompt(completion_ids, index, **kwargs) -> list[float]:
+    """Informative (0, 1, 0, 1 within the group) for prompts with index % 3 == 1, constant for the others. Every call
+    holds whole groups, in order, in both modes."""
+    return [float(j % 2) if i % 3 == 1 else float(i % 3 == 0) for j, i in enumerate(index)]
+
+
+class RecordingTrainer(DAPOTrainer):
+    """Keeps the dataloader's batch, the accepted batch and the groups carried in flight of each generation batch."""
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            batch_copy = {k: v.clone() for k, v in batch.items()}
+            self.record.append(([row["index"] for row in inputs], batch_copy, list(self.sampling_buffer.carried)))
+            buffer = self.sampling_buffer
+            born_now = (buffer.surplus_birth == self.state.global_step).repeat_interleave(self.num_generations)
+            self.surplus_tokens.append(
+                0 if buffer.surplus is None else int(buffer.surplus["completion_mask"][born_now].sum())
+            )
+        return batch
+
+
+def stream_trainer(tiny_model, tmp_path, **overrides) -> RecordingTrainer:
+    args = dict(
+        per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=1, learning_rate=0.01,
+        rollout_engine="paged", dynamic_sampling_mode="stream", rollout_max_rows=16,
+        generation_kwargs={"min_new_tokens": 8},  # pinned lengths: groups end in the order they were admitted
+    )  # fmt: skip
+    args.update(overrides)
+    trainer = RecordingTrainer(
+        model=tiny_model, reward_funcs=reward_by_prompt, args=dapo_args(tmp_path, **args),
+        train_dataset=arithmetic_prompts(PROMPTS),
+    )  # fmt: skip
+    trainer.record, trainer.surplus_tokens = [], []
+    return trainer
+
+
+def prompt_indices(trainer, batch) -> list[int]:
+    """The dataset index of each accepted group, from its prompt tokens."""
+    dataset = trainer.train_dataset
+    ids = trainer._tokenize_prompts([row["prompt"] for row in dataset])[0]
+    by_ids = {tuple(p): row["index"] for p, row in zip(ids, dataset, strict=True)}
+    rows = [tuple(p[m.bool()].tolist()) for p, m in zip(batch["prompt_ids"], batch["prompt_mask"], strict=True)]
+    return [by_ids[row] for row in rows[::4]]
+
+
+def test_stream_keeps_the_first_informative_groups_in_prompt_order(tiny_model, tmp_path):
+    """The real trainer and engine, 16 slots (4 groups), pinned lengths shorter than one engine synchronisation, so
+    every admitted group ends at the next one, in admission order. Draw order here: 4, 16, 21, 5 (the dataloader's),
+    then 5, 36, 12, 17, 11, 18, 13, 30, 23, 34, ... (the extra stream). 4 and 16 qualify (efficiency 1/2, 2 missing:
+    4 groups admitted), none of 5, 36, 12, 17 (efficiency 2/8: 8 admitted, 4 wait for slots), 13 of 11, 18, 13, 30
+    (1 missing, 4 in flight at 3/12: none admitted), then 34: 16 groups generated, the slots always full."""
+    trainer = stream_trainer(tiny_model, tmp_path)
+    trainer.train()
+    ((dataloader, batch, _),) = trainer.record
+    # prompts are drawn from the dataloader's batch, then from the extra stream (seed + 1, first epoch)
+    extra = torch.randperm(PROMPTS, generator=torch.Generator().manual_seed(trainer.args.seed + 1)).tolist()
+    order = dataloader[::4] + extra
+    assert order[:14] == [4, 16, 21, 5, 5, 36, 12, 17, 11, 18, 13, 30, 23, 34]
+    informative = [i for i in order if i % 3 == 1]
+    assert prompt_indices(trainer, batch) == informative[:TARGET_GROUPS] == [4, 16, 13, 34]
+    metrics = next(h for h in trainer.state.log_history if "dapo/generated_groups" in h)
+    assert metrics["dapo/generated_groups"] == 16 and metrics["dapo/qualified_groups"] == 4
+    assert metrics["dapo/sampling_efficiency"] == 0.25 and metrics["dapo/slot_occupancy"] == 1.0
+    assert metrics["dapo/generated_tokens"] == 16 * 4 * 8 and metrics["dapo/untrained_tokens"] == 0
+    assert metrics["dapo/surplus_groups"] == 0 and metrics["dapo/partial_batch"] == 0
+
+
+class ScriptedStream:
+    """A stand-in for the engine's `RolloutStream` whose rows decode one token per step up to a length fixed by their
+    prompt (`[length]`), `slots` rows at a time in admission order: the driver's decisions can be derived by hand."""
+
+    def __init__(self, prompts: list[list[int]], slots: int, resumed=None) -> None:
+        self.lengths, self.generated, self.slots = [], [], slots
+        self.waiting, self.running, self.busy, self.steps = [], [], 0, 0
+        self.add(prompts, resumed)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, prompts, resumed=None):
+        rows = list(range(len(self.lengths), len(self.lengths) + len(prompts)))
+        self.lengths += [prompt[0] for prompt in prompts]
+        self.generated += [len(tokens) for tokens, _ in resumed] if resumed else [0] * len(prompts)
+        self.waiting += rows
+        return rows
+
+    def step(self) -> list[int]:
+        while self.waiting and len(self.running) < self.slots:
+            self.running.append(self.waiting.pop(0))
+        if not self.running:
+            return []
+        self.steps += 1
+        self.busy += len(self.running)
+        for row in self.running:
+            self.generated[row] += 1
+        ended = [row for row in self.running if self.generated[row] == self.lengths[row]]
+        self.running = [row for row in self.running if row not in ended]
+        return ended
+
+    def outputs(self, rows):
+        return [[5] * self.generated[row] for row in rows], torch.zeros(len(rows), 8)
+
+    def close(self):
+        return SimpleNamespace(
+            generated_tokens=sum(self.generated), busy_slot_steps=self.busy, pool_slot_steps=self.steps * self.slots
+        )
+
+
+@pytest.mark.parametrize("policy", ["finish", "drop"])
+def test_the_stream_admits_on_the_expected_yield_and_finishes_or_drops_what_is_in_flight(policy):
+    """Groups of 2 rows, 4 slots, 2 groups missing. Prompts (length, informative): g0 (2, yes), g1 (6, no), g2 (3,
+    yes), g3 (5, yes). At the start the efficiency is 1: g0 and g1 are admitted (2 expected to qualify). g0 ends at
+    step 2 (1 kept, 1 in flight at efficiency 1: nothing admitted, two slots idle); g1 ends at step 6, filtered:
+    efficiency 1/2, deficit 1, so 1 / (1/2) = 2 groups admitted, g2 and g3. g2 ends at step 9: 2 kept, the batch is
+    full with g3 three tokens into its five. `finish` decodes g3 to its end (steps 10 and 11) and keeps it (surplus);
+    `drop` leaves it, six tokens generated for nothing."""
+    script = iter([(2, True), (6, False), (3, True), (5, True), (1, True)])
+    streams = []
+
+    def start(prompts, resumed):
+        streams.append(ScriptedStream(prompts, slots=4, resumed=resumed))
+        return streams[0]
+
+    def next_prompt():
+        length, informative = next(script)
+        return {"informative": informative}, [length]
+
+    def score(rows, prompt_ids, completions):
+        metric = torch.tensor([0.0, 1.0] if rows[0]["informative"] else [1.0, 1.0])
+        return metric.unsqueeze(1), metric
+
+    stream = GroupStream(start, next_prompt, score, agree=lambda values: values, num_generations=2, world=1,
+                         in_flight=policy)  # fmt: skip
+    outcome = stream.run(missing=2, budget=100)
+    assert outcome.full and outcome.admitted_groups == 4
+    assert [group.prompt_ids for group in outcome.kept] == ([[2], [3], [5]] if policy == "finish" else [[2], [3]])
+    assert outcome.generated_groups == (4 if policy == "finish" else 3)
+    assert (outcome.qualified_groups, outcome.filtered_all_correct, outcome.filtered_tokens) == (
+        outcome.generated_groups - 1,
+        1,
+        12,
+    )
+    assert outcome.dropped_groups == (0 if policy == "finish" else 1)
+    # tokens: g0 2 x 2, g1 6 x 2, g2 3 x 2, g3 5 x 2 (finished) or 3 x 2 (dropped)
+    assert outcome.generated_tokens == (32 if policy == "finish" else 28)
+    # busy rows per step: 4, 4, then 2 for steps 3-6, 4 for steps 7-9, 2 for the finishing steps 10-11
+    assert (outcome.busy_slot_steps, outcome.pool_slot_steps) == ((32, 44) if policy == "finish" else (28, 36))
+
+
+def test_carried_groups_resume_in_the_next_stream_where_they_stopped():
+    """The same script with `carry`: g3 stops three tokens into its five when the batch fills and is handed back with
+    those tokens; the next stream (1 group missing) resumes it first, expects it to qualify (efficiency 1: nothing
+    else admitted), decodes its last two tokens and keeps it. Each call counts only the tokens it generated."""
+    script = iter([(2, True), (6, False), (3, True), (5, True)])
+
+    def stream_with(next_prompt):
+        return GroupStream(
+            start=lambda prompts, resumed: ScriptedStream(prompts, slots=4, resumed=resumed), next_prompt=next_prompt,
+            score=lambda rows, ids, tokens: (torch.zeros(2, 1), torch.tensor([float(not rows[0]["informative"]), 1.0])),
+            agree=lambda values: values, num_generations=2, world=1, in_flight="carry",
+        )  # fmt: skip
+
+    first = stream_with(lambda: (lambda n, informative: ({"informative": informative}, [n]))(*next(script)))
+    outcome = first.run(missing=2, budget=100)
+    assert [group.prompt_ids for group in outcome.kept] == [[2], [3]] and outcome.dropped_groups == 0
+    ((carried,),) = [outcome.carried]
+    assert carried.prompt_ids == [5] and carried.tokens == [[5] * 3] * 2 and carried.ended == [False, False]
+    assert (outcome.generated_tokens, outcome.carried_tokens) == (28, 6)
+
+    def no_new_prompts():
+        raise AssertionError("the carried group covers the expected need: nothing new is drawn")
+
+    second = stream_with(no_new_prompts).run(missing=1, budget=100, carried=[carried])
+    assert second.full and second.admitted_groups == 1 and not second.carried
+    ((kept,),) = [second.kept]
+    assert kept.completions == [[5] * 5] * 2 and kept.fresh_tokens == 4 and second.generated_tokens == 4
+
+
+def test_the_groups_in_flight_stay_within_their_cap():
+    """The same script with at most one group in flight: g0 (kept), then g1 (filtered; the deficit of 1 at efficiency
+    1/2 asks for 2 groups, the cap allows 1), then g2 (kept): full after 2 + 6 + 3 steps, one slot pair busy."""
+    script = iter([(2, True), (6, False), (3, True), (5, True)])
+    stream = GroupStream(
+        start=lambda prompts, resumed: ScriptedStream(prompts, slots=4, resumed=resumed),
+        next_prompt=lambda: (lambda length, informative: ({"informative": informative}, [length]))(*next(script)),
+        score=lambda rows, ids, completions: (torch.zeros(2, 1), torch.tensor([float(not rows[0]["informative"]), 1.0])),
+        agree=lambda values: values, num_generations=2, world=1,
+    )  # fmt: skip
+    outcome = stream.run(missing=2, budget=100, max_in_flight=1)
+    assert outcome.full and outcome.admitted_groups == 3
+    assert [group.prompt_ids for group in outcome.kept] == [[2], [3]]
+    assert (outcome.generated_tokens, outcome.busy_slot_steps, outcome.pool_slot_steps) == (22, 22, 44)
+
+
+def test_carried_rows_are_trained_next_batch_with_the_logprobs_they_were_sampled_with(tiny_model, tmp_path):
+    """`carry` on the real trainer and engine: rows stopped when a batch fills resume in the next batch's stream, and
+    a group trained there has its rows start with the carried tokens, whose old policy (rollout logprobs) is still
+    the one that sampled them. (That the resumed tokens are decoded and scored by the new weights is the engine's
+    test, `test_a_partial_rollout_resumes_under_new_weights_keeping_its_old_logprobs`.)"""
+    trainer = stream_trainer(
+        tiny_model, tmp_path, dynamic_sampling_in_flight="carry", max_completion_length=32, generation_kwargs=None,
+        max_steps=3,
+    )  # fmt: skip
+    trainer.rollout_engine.sync_every = 2  # rows span several synchronisations: some are in flight when a batch fills
+    trainer.train()
+    resumed = 0
+    for (_, _, carried), (_, batch, _) in itertools.pairwise(trainer.record):
+        prompts = [p[m.bool()].tolist() for p, m in zip(batch["prompt_ids"], batch["prompt_mask"], strict=True)]
+        completions = [
+            c[m.bool()].tolist() for c, m in zip(batch["completion_ids"], batch["completion_mask"], strict=True)
+        ]
+        for group in carried:
+            for tokens, logprobs in zip(group.tokens, group.logprobs, strict=True):
+                rows = [r for r, (p, c) in enumerate(zip(prompts, completions, strict=True))
+                        if tokens and p == group.prompt_ids and c[: len(tokens)] == tokens]  # fmt: skip
+                for row in rows:
+                    assert len(completions[row]) > len(tokens)  # decoded further in the next batch
+                    torch.testing.assert_close(
+                        batch["old_per_token_logps"][row, : len(tokens)], logprobs[: len(tokens)]
+                    )
+                    resumed += 1
+    assert resumed >= 2
+    # the carried rows' tokens are kept for later, not lost: in the first batch that carries (nothing was carried
+    # into it), its surplus tokens are the carried groups' tokens and those of its new surplus groups
+    metrics = [h for h in trainer.state.log_history if "dapo/surplus_tokens" in h]
+    first = next(i for i, (_, _, carried) in enumerate(trainer.record) if carried)
+    assert not any(trainer.record[i][2] for i in range(first))
+    carried_tokens = sum(group.earlier_tokens for group in trainer.record[first][2])
+    assert carried_tokens > 0
+    assert metrics[first]["dapo/surplus_tokens"] == carried_tokens + trainer.surplus_tokens[first]
+
+
+def test_a_stream_that_spends_its_budget_says_so(tiny_model, tmp_path):
+    def constant(completion_ids, **kwargs):
+        return [1.0] * len(completion_ids)
+
+    trainer = DAPOTrainer(
+        model=tiny_model, reward_funcs=constant, train_dataset=arithmetic_prompts(PROMPTS),
+        args=dapo_args(tmp_path, per_device_train_batch_size=8, dynamic_sampling_mode="stream", rollout_engine="paged",
+                       max_num_gen_batches=1, dynamic_sampling_on_limit="raise", max_steps=1),
+    )  # fmt: skip
+    with pytest.raises(
+        DynamicSamplingLimitError, match=r"Streaming dynamic sampling admitted its budget .* 0 of the 2"
+    ):
+        trainer.train()
+
+
+def test_stream_mode_names_what_it_needs(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="rollout_engine='paged'"):  # 'auto' on the CPU generates with TRL's path
+        DAPOTrainer(
+            model=tiny_model, reward_funcs=reward_by_prompt, train_dataset=arithmetic_prompts(PROMPTS),
+            args=dapo_args(tmp_path, per_device_train_batch_size=8, dynamic_sampling_mode="stream"),
+        )  # fmt: skip
+
+    async def async_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError, match="reward_funcs: 'async_reward'"):
+        DAPOTrainer(
+            model=tiny_model, reward_funcs=async_reward, train_dataset=arithmetic_prompts(PROMPTS),
+            args=dapo_args(tmp_path, per_device_train_batch_size=8, dynamic_sampling_mode="stream",
+                           rollout_engine="paged"),
+        )  # fmt: skip
