@@ -321,7 +321,7 @@ class _Generation:
     # ------------------------------------------------------------------------------------------------ loop
 
     def run(self) -> GenerationOutput:
-        engine, scheduler, stats = self.engine, self.scheduler, self.stats
+        engine, scheduler = self.engine, self.scheduler
         timer = _DeviceTimer(engine.device)
         progress = _progress(engine.show_progress, self.rows)
         last_report = 0
@@ -333,13 +333,29 @@ class _Generation:
                 last_report = generated
         if progress is not None:
             progress.close()
+        completions, logprobs = self.read(list(range(self.rows)))
+        return GenerationOutput(completions, logprobs, self.finish_stats(timer))
+
+    def finish_stats(self, timer: _DeviceTimer) -> RolloutStats:
+        """The call's statistics, with its device times and totals filled in."""
+        stats, scheduler = self.stats, self.scheduler
         stats.prefill_s, stats.decode_s = timer.seconds("prefill"), timer.seconds("decode")
         stats.preemptions = scheduler.preemptions
-        lengths = scheduler.generated.copy()
-        stats.generated_tokens = int(lengths.sum())
-        if engine.device.type == "cuda":
-            stats.peak_memory_bytes = torch.cuda.max_memory_allocated(engine.device)
-        return self._collect(lengths)
+        stats.generated_tokens = int(scheduler.generated.sum())
+        if self.engine.device.type == "cuda":
+            stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.engine.device)
+        return stats
+
+    def read(self, rows: list[int]) -> tuple[list[list[int]], torch.Tensor]:
+        """Completions of `rows` so far (each cut after its EOS) and their logprobs, (len(rows), max_new_tokens) on
+        the engine's device, zero past each completion."""
+        lengths = self.scheduler.generated[rows]
+        index = torch.tensor(rows, dtype=torch.long, device=self.engine.device)
+        tokens = self.out_tokens[index].cpu()
+        completions = [tokens[i, :length].tolist() for i, length in enumerate(lengths.tolist())]
+        columns = torch.arange(self.max_new, device=self.engine.device)
+        mask = columns < torch.from_numpy(lengths).to(self.engine.device).unsqueeze(1)
+        return completions, self.out_logprobs[index] * mask
 
     def _step(self, timer: _DeviceTimer) -> bool:
         """Admit waiting rows, decode up to `sync_every` steps and synchronise; False once no row is left."""
@@ -499,11 +515,11 @@ class _Generation:
         write = torch.where(active, page * page_size + positions % page_size, self.trash_slot)
         lengths = torch.where(active, positions + 1, 0).to(torch.int32)
         cos, sin = engine.cos[positions], engine.sin[positions]  # once per step, not per layer
+        splits = num_splits(bucket, engine.num_kv_heads, engine.device) if engine._use_triton else 0
         x = F.embedding(tokens, engine.snapshot.embed)
         for layer, (k_cache, v_cache) in zip(engine.snapshot.layers, self.caches, strict=True):
             q, _, _ = engine._attention_inputs(x, cos, sin, write, k_cache, v_cache, layer)
             if engine._use_triton:
-                splits = num_splits(bucket, engine.num_kv_heads, engine.device)
                 attention = triton_decode_attention(q, k_cache, v_cache, table, lengths, page_size, splits)
             else:
                 attention = reference_decode_attention(q, k_cache, v_cache, table, lengths, page_size, self.max_length)
@@ -547,13 +563,6 @@ class _Generation:
                 self._decode_step(bucket)
             self.graphs[bucket] = graph
         return graph.replay
-
-    def _collect(self, lengths: np.ndarray) -> GenerationOutput:
-        tokens = self.out_tokens[: self.rows].cpu()
-        completions = [tokens[row, :length].tolist() for row, length in enumerate(lengths.tolist())]
-        columns = torch.arange(self.max_new, device=self.engine.device)
-        mask = columns < torch.from_numpy(lengths).to(self.engine.device).unsqueeze(1)
-        return GenerationOutput(completions, self.out_logprobs[: self.rows] * mask, self.stats)
 
 
 class RolloutStream:
@@ -668,24 +677,11 @@ class RolloutStream:
         """Completions of `rows` (each cut after its EOS; an unfinished row's tokens so far, at the last step's
         synchronisation) and their logprobs, (len(rows), max_new_tokens) on the engine's device, zero past each
         completion."""
-        generation = self._generation
-        lengths = generation.scheduler.generated[rows]
-        index = torch.tensor(rows, dtype=torch.long, device=self.engine.device)
-        tokens = generation.out_tokens[index].cpu()
-        completions = [tokens[i, :length].tolist() for i, length in enumerate(lengths.tolist())]
-        columns = torch.arange(generation.max_new, device=self.engine.device)
-        mask = columns < torch.from_numpy(lengths).to(self.engine.device).unsqueeze(1)
-        return completions, generation.out_logprobs[index] * mask
+        return self._generation.read(rows)
 
     def close(self) -> RolloutStats:
         """The call's statistics; the KV pool is freed with the stream."""
-        stats, scheduler = self._generation.stats, self._generation.scheduler
-        stats.prefill_s, stats.decode_s = self._timer.seconds("prefill"), self._timer.seconds("decode")
-        stats.preemptions = scheduler.preemptions
-        stats.generated_tokens = int(scheduler.generated.sum())
-        if self.engine.device.type == "cuda":
-            stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.engine.device)
-        return stats
+        return self._generation.finish_stats(self._timer)
 
 
 class _DeviceTimer:
