@@ -471,11 +471,13 @@ class DAPOTrainer(GRPOTrainer):
             rewards[:, column] = torch.tensor([torch.nan if v is None else float(v) for v in values])
         task = slice(0, self.num_task_rewards)
         check_rewards(rewards[:, task], len(rows), self.reward_func_names[task])
+        return rewards, self._filter_metric(rewards)
+
+    def _filter_metric(self, rewards: torch.Tensor) -> torch.Tensor:
+        """What dynamic sampling filters groups on: one reward function's column, or the weighted total."""
         if self.filter_column is None:
-            metric = (rewards * self.reward_weights).nansum(dim=1)
-        else:
-            metric = rewards[:, self.filter_column]
-        return rewards, metric
+            return (rewards * self.reward_weights.to(rewards.device)).nansum(dim=1)
+        return rewards[:, self.filter_column]
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         if self.accelerator.num_processes == 1:
@@ -535,11 +537,7 @@ class DAPOTrainer(GRPOTrainer):
         batch["rewards"], batch["truncated"] = scores.rewards, scores.truncated
         batch["completion_lengths"] = self._model_token_counts(batch, scores.completion_lengths)
         self._log_rollout(batch)
-        if self.filter_column is None:
-            metric = (scores.rewards * self.reward_weights.to(scores.rewards.device)).nansum(dim=1)
-        else:
-            metric = scores.rewards[:, self.filter_column]
-        return batch, metric, slots
+        return batch, self._filter_metric(scores.rewards), slots
 
     @staticmethod
     def _model_token_counts(batch: RolloutBatch, lengths: torch.Tensor) -> torch.Tensor:
