@@ -1,12 +1,13 @@
 """The DAPO paper's ablation (Table 1) in miniature, with held-out accuracy and seeds, in one command.
 
-    python recipes/dapo_ablation.py            # the study on one GPU (default: 7 variants x 3 seeds, 3 workers)
+    python recipes/dapo_ablation.py            # the study on one GPU (default: 7 variants x 3 seeds, 6 workers)
     python recipes/dapo_ablation.py --smoke    # the same pipeline on the CPU, tiny, in well under a minute
 
 A Qwen2 of 17.7M parameters with a character tokenizer is built from scratch per seed, warm-started on worked
 scratchpad additions to a moderate accuracy, then trained with RL by each variant of the ladder (`ablation/variants.py`):
 TRL's GRPOTrainer as naive GRPO, DAPO's pieces added one at a time, full DAPO, and full DAPO on the paged rollout
-engine. Writes OUTPUT/ablation.json (settings, the time plan, versions, every run's curves and the summary),
+engine. Rerunning the same command on the same OUTPUT does only the runs still missing (`ablation/study.py`). Writes
+OUTPUT/ablation.json (settings, the time plan, versions, every run's curves and the summary),
 OUTPUT/ablation.png, and prints the table; `docs/ablation.md` explains the method.
 """
 
@@ -26,7 +27,7 @@ from ablation.config import SMOKE, StudyConfig
 from ablation.plan import compare, estimate, format_plan
 from ablation.report import format_table, plot, summarize
 from ablation.study import launch_workers, load_seed_records
-from ablation.variants import VARIANT_NAMES
+from ablation.variants import VARIANT_NAMES, run_order
 
 PACKAGES = ("torch", "transformers", "trl", "accelerate", "trl-dapo")
 
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, help="default: outputs/ablation (outputs/ablation-smoke with --smoke)")
     parser.add_argument("--seeds", type=int, nargs="+")
     parser.add_argument("--variants", nargs="+", choices=VARIANT_NAMES, help="default: all, in ladder order")
-    parser.add_argument("--workers", type=int, help="processes sharing the device (default 3; 1: one at a time)")
+    parser.add_argument("--workers", type=int, help="processes sharing the device (default 6; 1: one at a time)")
     parser.add_argument("--max-steps", type=int, help="optimizer steps per run (default 120)")
     parser.add_argument("--eval-every", type=int, help="optimizer steps between held-out evaluations (default 20)")
     parser.add_argument("--device", choices=("cuda", "cpu"))
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = estimate(config)
     print(format_plan(plan), flush=True)
     began = time.perf_counter()
-    exit_codes = [] if args.report_only else launch_workers(config, output)
+    cost = {variant.name: plan["runs"][variant.name]["total_s"] for variant in run_order(config)}
+    exit_codes = [] if args.report_only else launch_workers(config, output, cost)
     records = load_seed_records(config, output)
     summary = summarize(config, records)
     result = {

@@ -4,6 +4,7 @@ ladder's configs, the summary's interpolation, and the whole `--smoke` pipeline 
 import itertools
 import json
 import math
+import shutil
 import subprocess
 import sys
 from dataclasses import fields
@@ -23,6 +24,7 @@ from ablation.config import SMOKE, StudyConfig  # noqa: E402
 from ablation.evaluation import _by_bucket, _first_eos_mask  # noqa: E402
 from ablation.model import build_char_tokenizer, build_model  # noqa: E402
 from ablation.report import crossing  # noqa: E402
+from ablation.study import deal  # noqa: E402
 from ablation.variants import VARIANTS, AdditionReward, run_order, trainer_setup  # noqa: E402
 
 BUCKETS = ((1, 2), (3, 4), (5, 6), (7, 8))
@@ -172,12 +174,34 @@ def test_study_config_rejects_bad_settings_and_round_trips(tmp_path):
     assert StudyConfig.load(tmp_path / "c.json") == SMOKE
 
 
-def test_smoke_study_runs_end_to_end(tmp_path):
-    output = tmp_path / "study"
+def test_jobs_go_longest_first_to_the_least_loaded_worker_then_run_in_ladder_order():
+    cost = {"a": 5.0, "b": 3.0, "c": 2.0}  # run order a, b, c
+    jobs = [(seed, name) for seed in (0, 1, 2) for name in cost]
+    # by hand: a0->w0 (5), a1->w1 (5), a2->w0 (10), b0->w1 (8), b1->w1 (11), b2->w0 (13), c0->w1 (13), c1->w0 (15,
+    # the tie to the first), c2->w1 (15)
+    assert deal(jobs, cost, workers=2) == [
+        [(0, "a"), (2, "a"), (2, "b"), (1, "c")],
+        [(1, "a"), (0, "b"), (1, "b"), (0, "c"), (2, "c")],
+    ]
+    assert deal(jobs[:2], cost, workers=6) == [[(0, "a")], [(0, "b")]]  # no idle worker started
+
+
+def run_smoke(output: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, str(ROOT / "recipes/dapo_ablation.py"), "--smoke", "--output", str(output)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "| grpo | 2 |" in result.stdout and "plan (estimates" in result.stdout
+    return result
+
+
+@pytest.fixture(scope="module")
+def smoke_study(tmp_path_factory) -> tuple[Path, str]:
+    output = tmp_path_factory.mktemp("ablation") / "study"
+    return output, run_smoke(output).stdout
+
+
+def test_smoke_study_runs_end_to_end(smoke_study):
+    output, stdout = smoke_study
+    assert "| grpo | 2 |" in stdout and "plan (estimates" in stdout
     study = json.loads((output / "ablation.json").read_text())
     assert {"date", "device", "versions", "commit", "settings", "plan", "summary", "seeds"} <= set(study)
     assert (output / "ablation.png").stat().st_size > 20_000
@@ -207,3 +231,39 @@ def test_smoke_study_runs_end_to_end(tmp_path):
             assert {"entropy", "completions/mean_length", "study/informative_groups"} <= set(run["train"])
         assert record["runs"]["dapo_paged_engine"]["rollout_engine"] == "PagedRolloutEngine"
         assert record["runs"]["grpo"]["rollout_engine"] == "transformers generate"
+
+
+def test_a_rerun_does_only_what_is_missing_and_checks_the_start_points(smoke_study, tmp_path):
+    output = tmp_path / "study"
+    shutil.copytree(smoke_study[0], output)
+    runs = output / "runs"
+    before = {path.relative_to(runs): path.read_bytes() for path in runs.glob("*/*.json")}
+    # seed 0 on a fresh machine, one run lost: its warm start is redone and must reproduce the recorded weights
+    shutil.rmtree(output / "models" / "seed0")
+    (runs / "seed0" / "grpo.json").unlink()
+    # seed 1's recorded start point is not the one on disk: its runs did not start from it
+    start1 = json.loads((runs / "seed1" / "start.json").read_text())
+    (runs / "seed1" / "start.json").write_text(json.dumps({**start1, "digest": "0" * 64}))
+    stdout = run_smoke(output).stdout
+    assert "[seed 0] start point in" in stdout and "[seed 0] grpo: ok" in stdout
+    assert "[seed 1] warm start did not reproduce the recorded weights" in stdout
+    seed0 = [line for line in stdout.splitlines() if line.startswith("[seed 0]") and ": ok in" in line]
+    assert len(seed0) == 1  # the other six runs of seed 0 were kept, byte for byte
+    for name in VARIANTS[1:]:
+        assert (runs / "seed0" / f"{name.name}.json").read_bytes() == before[Path("seed0", f"{name.name}.json")]
+    new_start0 = json.loads((runs / "seed0" / "start.json").read_text())
+    old_start0 = json.loads(before[Path("seed0/start.json")])
+    assert new_start0["digest"] == old_start0["digest"] and new_start0["start_point"] == old_start0["start_point"]
+    # the CPU run is deterministic: the redone run learned exactly what the lost one had
+    redone, lost = json.loads((runs / "seed0" / "grpo.json").read_text()), json.loads(before[Path("seed0/grpo.json")])
+
+    def learned(run: dict) -> list[dict]:
+        return [{k: v for k, v in point.items() if k != "wall_clock_s"} for point in run["curve"]]
+
+    assert learned(redone) == learned(lost) and redone["train"] == lost["train"]
+    assert sorted(p.name for p in (runs / "seed1" / "stale").glob("*.json")) == sorted(
+        f"{v.name}.json" for v in VARIANTS
+    )
+    assert json.loads((runs / "seed1" / "start.json").read_text())["digest"] == start1["digest"]  # the true one
+    summary = json.loads((output / "ablation.json").read_text())["summary"]
+    assert all(variant["seeds_ok"] == 2 for variant in summary["variants"].values())

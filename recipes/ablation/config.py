@@ -60,10 +60,10 @@ class StudyConfig:
     # ---- the study
     seeds: tuple[int, ...] = (0, 1, 2)
     variants: tuple[str, ...] = field(default=())  # empty: every variant of `variants.VARIANTS`, in ladder order
-    workers: int = 3  # processes sharing the device, seeds dealt out round-robin
+    workers: int = 6  # processes sharing the device: one per seed for the start points, then (seed, variant) runs
     device: str = "cuda"
     bf16: bool = True
-    torch_threads: int = 4  # per worker: CPU-side work is light, and workers must not oversubscribe the host
+    torch_threads: int = 2  # per worker: CPU-side work is light, and workers must not oversubscribe the host
 
     def __post_init__(self) -> None:
         check_buckets(self.buckets, self.buckets[0][0], self.buckets[-1][1])

@@ -55,19 +55,29 @@ def estimate(config: StudyConfig) -> dict:
         runs[variant.name] = {"train_s": train, "total_s": TRAINER_BUILD_S + train + evaluations * evaluation}
     checks = config.sft_max_steps // config.sft_check_every
     warm_start = config.sft_max_steps * (3 * forward + 0.01) + checks * config.max_completion_length * hf_step
-    per_seed = warm_start + evaluation + sum(r["total_s"] for r in runs.values())
-    workers = min(config.workers, len(config.seeds))
-    rounds = math.ceil(len(config.seeds) / workers)
+    start_point = warm_start + evaluation
+    run_s = sum(r["total_s"] for r in runs.values())
+    seeds = len(config.seeds)
+    preparing = min(config.workers, seeds)  # one worker per seed in the first phase
+    running = min(config.workers, seeds * len(runs))
+    # the runs' phase ends with its longest worker: at least one whole run, at least the average share
+    longest = max(r["total_s"] for r in runs.values())
+    run_phase = max(longest, seeds * run_s / running) * shared(running)
     return {
         "hf_decode_step_s": hf_step,
         "evaluation_s": evaluation,
         "warm_start_at_most_s": warm_start,
         "runs": runs,
-        "per_seed_s": per_seed,
-        "sequential_s": per_seed * len(config.seeds),
-        "workers": workers,
-        "with_workers_s": per_seed * rounds * (1 + SHARED_DEVICE_SLOWDOWN * (workers - 1)),
+        "per_seed_s": start_point + run_s,
+        "sequential_s": (start_point + run_s) * seeds,
+        "workers": config.workers,
+        "with_workers_s": start_point * math.ceil(seeds / preparing) * shared(preparing) + run_phase,
     }
+
+
+def shared(processes: int) -> float:
+    """How much slower each process runs with `processes` of them on the device."""
+    return 1 + SHARED_DEVICE_SLOWDOWN * (processes - 1)
 
 
 def format_plan(plan: dict) -> str:

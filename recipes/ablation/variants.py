@@ -110,6 +110,13 @@ def variants_of(config: StudyConfig) -> tuple[Variant, ...]:
     return tuple(v for v in VARIANTS if v.name in config.variants)
 
 
+def variant_named(name: str) -> Variant:
+    for variant in VARIANTS:
+        if variant.name == name:
+            return variant
+    raise ValueError(f"variant {name!r} unknown; choose from {list(VARIANT_NAMES)}.")
+
+
 def run_order(config: StudyConfig) -> tuple[Variant, ...]:
     """The order a worker runs them: both ends of the ladder first, so a study cut short still compares naive GRPO
     with full DAPO; the paged engine last, so no run on TRL's path follows a compiling engine in the same process."""
