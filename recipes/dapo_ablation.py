@@ -48,7 +48,7 @@ def environment(device: str) -> dict:
             versions[package] = None
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else device,
         "python": sys.version.split()[0],
         "versions": versions,
         "commit": commit or None,
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+")
     parser.add_argument("--variants", nargs="+", choices=VARIANT_NAMES, help="default: all, in ladder order")
     parser.add_argument("--workers", type=int, help="processes sharing the device (default 6; 1: one at a time)")
-    parser.add_argument("--max-steps", type=int, help="optimizer steps per run (default 120)")
+    parser.add_argument("--max-steps", type=int, help="optimizer steps per run (default 80)")
     parser.add_argument("--eval-every", type=int, help="optimizer steps between held-out evaluations (default 20)")
     parser.add_argument("--device", choices=("cuda", "cpu"))
     parser.add_argument(
@@ -94,15 +94,19 @@ def main(argv: list[str] | None = None) -> int:
     exit_codes = [] if args.report_only else launch_workers(config, output, cost)
     records = load_seed_records(config, output)
     summary = summarize(config, records)
-    result = {
-        **environment(config.device),
-        "settings": asdict(config),
-        "plan": plan,
-        "study_s": time.perf_counter() - began,
-        "worker_exit_codes": exit_codes,
-        "summary": summary,
-        "seeds": records,
-    }
+    previous = output / "ablation.json"
+    if args.report_only and previous.exists():  # when, where and how long the study ran stay as recorded
+        result = {**json.loads(previous.read_text()), "summary": summary, "seeds": records}
+    else:
+        result = {
+            **environment(config.device),
+            "settings": asdict(config),
+            "plan": plan,
+            "study_s": time.perf_counter() - began,
+            "worker_exit_codes": exit_codes,
+            "summary": summary,
+            "seeds": records,
+        }
     (output / "ablation.json").write_text(json.dumps(result, indent=2))
     print(format_table(summary))
     print(compare(plan, records))

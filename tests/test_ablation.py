@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "recipes"))
 from ablation.config import SMOKE, StudyConfig  # noqa: E402
 from ablation.evaluation import _by_bucket, _first_eos_mask  # noqa: E402
 from ablation.model import build_char_tokenizer, build_model  # noqa: E402
-from ablation.report import crossing  # noqa: E402
+from ablation.report import crossing, summarize  # noqa: E402
 from ablation.study import deal  # noqa: E402
 from ablation.variants import VARIANTS, AdditionReward, run_order, trainer_setup  # noqa: E402
 
@@ -149,7 +149,7 @@ def test_ladder_adds_one_piece_per_variant(tmp_path):
         (a.per_device_train_batch_size, a.steps_per_generation, a.max_steps, a.learning_rate, a.num_generations)
         for _, a, _ in setups.values()
     }
-    assert geometry == {(128, 4, 120, config.learning_rate, 8)}
+    assert geometry == {(128, 4, 80, config.learning_rate, 8)}
 
 
 def test_crossing_interpolates_between_evaluations():
@@ -157,6 +157,30 @@ def test_crossing_interpolates_between_evaluations():
     assert crossing(curve, "avg", 0.6, "t") == pytest.approx(20.0)  # 10 + (0.6 - 0.4) / (0.8 - 0.4) * 20
     assert crossing(curve, "avg", 0.1, "t") == 0.0
     assert crossing(curve, "avg", 0.9, "t") is None
+
+
+def test_summary_pairs_each_variant_with_grpo_from_the_same_seed():
+    def run(curve: list[tuple[float, float]]) -> dict:
+        points = [
+            {"step": 10 * i, "wall_clock_s": t, "generated_completions": 8, "generated_tokens": 80, "entropy": 0.5,
+             "mean_length": 10.0, "greedy": {"all": v}, "avg@8": {"all": v}, "pass@8": {"all": v}}
+            for i, (t, v) in enumerate(curve)
+        ]  # fmt: skip
+        return {"status": "ok", "train_s": curve[-1][0], "curve": points}
+
+    records = [  # seed 0 starts at 0.4, seed 1 at 0.7: the start points differ more than the variants
+        {"seed": 0, "runs": {"grpo": run([(0, 0.4), (20, 0.5)]), "clip_higher": run([(0, 0.4), (10, 0.6)])}},
+        {"seed": 1, "runs": {"grpo": run([(0, 0.7), (20, 0.8)]), "clip_higher": run([(0, 0.7), (10, 0.8)])}},
+    ]
+    summary = summarize(StudyConfig(device="cpu", variants=("grpo", "clip_higher")), records)
+    assert summary["targets"] == {0: 0.5, 1: 0.8}
+    higher = summary["variants"]["clip_higher"]
+    # gains 0.6 - 0.5 and 0.8 - 0.8; the unpaired means (0.7 vs 0.65) would say the same, their spreads would not
+    assert higher["gain_over_baseline"]["mean"] == pytest.approx(0.05)
+    assert (higher["gain_over_baseline"]["min"], higher["gain_over_baseline"]["max"]) == pytest.approx((0.0, 0.1))
+    # seed 0 reaches its 0.5 at 5 s (halfway from 0.4 to 0.6), seed 1 its 0.8 at 10 s
+    assert higher["wall_clock_to_target_s"]["mean"] == pytest.approx(7.5) and higher["reached_target"] == 2
+    assert summary["variants"]["grpo"]["gain_over_baseline"]["max"] == 0.0
 
 
 def test_evaluation_masks_and_bucket_means():
@@ -207,7 +231,7 @@ def test_smoke_study_runs_end_to_end(smoke_study):
     assert (output / "ablation.png").stat().st_size > 20_000
     summary = study["summary"]
     assert list(summary["variants"]) == [v.name for v in VARIANTS]
-    assert 0.0 <= summary["target"] <= 1.0
+    assert set(summary["targets"]) == {0, 1} and all(0.0 <= t <= 1.0 for t in summary["targets"].values())
     # one generation batch per run: 2 prompts x 4 samples per step, 2 steps per batch
     batch = SMOKE.prompts_per_step * SMOKE.num_generations * SMOKE.steps_per_generation
     for name, variant in summary["variants"].items():

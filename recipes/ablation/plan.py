@@ -22,8 +22,11 @@ ENGINE_FIRST_CALL_S = 15.0  # compile and graph capture at the first generation 
 FORWARD_PER_LAYER_S = 0.25e-3  # an eager training forward; backward counted as twice the forward
 STEP_OVERHEAD_S = 0.04  # optimizer step and the trainers' per-step metrics (host synchronisations)
 TRAINER_BUILD_S = 3.0
-DYNAMIC_SAMPLING_GENERATION = 1.5  # generation per batch over one round ("auto" oversampling: one larger round mostly)
-SHARED_DEVICE_SLOWDOWN = 0.25  # assumed: each further worker on the GPU slows every worker by this fraction
+# Dynamic sampling's generation per batch over one round. "auto" oversampling makes one larger round mostly: on TRL's
+# path it costs far more than its launches, on the paged engine about the same (first H200 study, 2026-12-03: training
+# 2.9x and 1.0x GRPO's, where 1.5 for both had planned 1.4x and 0.6x)
+DYNAMIC_SAMPLING_GENERATION = {"trl": 3.2, "paged": 1.2}
+SHARED_DEVICE_SLOWDOWN = 0.25  # each further worker on the GPU slows every worker by this fraction (2026-12-03: 0.25)
 
 
 def estimate(config: StudyConfig) -> dict:
@@ -49,7 +52,7 @@ def estimate(config: StudyConfig) -> dict:
         else:
             batch_generation = generation
         if variant.dynamic_sampling:
-            batch_generation *= DYNAMIC_SAMPLING_GENERATION
+            batch_generation *= DYNAMIC_SAMPLING_GENERATION[variant.rollout_engine]
         first_call = ENGINE_FIRST_CALL_S if variant.rollout_engine != "trl" else 0.0
         train = batches * (batch_generation + per_batch_rest) + first_call
         runs[variant.name] = {"train_s": train, "total_s": TRAINER_BUILD_S + train + evaluations * evaluation}

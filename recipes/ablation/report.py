@@ -1,5 +1,7 @@
-"""What the study reports: final held-out accuracy per variant over seeds (mean, spread), the training wall-clock at
-which each variant first reaches naive GRPO's final accuracy, a table, and a PNG of the curves."""
+"""What the study reports: final held-out accuracy per variant over seeds (mean, spread), its gain over naive GRPO
+from the same start point (paired by seed: the seeds' start points differ far more than the variants do), the
+training wall-clock at which each variant first reaches the same seed's GRPO final accuracy, a table, and a PNG of
+the curves."""
 
 from __future__ import annotations
 
@@ -41,16 +43,16 @@ def crossing(curve: list[dict], metric: str, target: float, axis: str) -> float 
 
 
 def completed_runs(records: list[dict], name: str) -> list[dict]:
-    return [r["runs"][name] for r in records if r.get("runs", {}).get(name, {}).get("status") == "ok"]
+    return [r["runs"][name] for r in records if _ok(r, name)]
 
 
 def summarize(config: StudyConfig, records: list[dict]) -> dict:
     metric = f"avg@{config.eval_k}"
-    baseline = spread([run["curve"][-1][metric][OVERALL] for run in completed_runs(records, BASELINE)])
-    target = baseline["mean"] if baseline else None
-    summary = {"metric": metric, "target": target, "target_from": BASELINE, "variants": {}}
+    targets = {r["seed"]: r["runs"][BASELINE]["curve"][-1][metric][OVERALL] for r in records if _ok(r, BASELINE)}
+    summary = {"metric": metric, "targets": targets, "target_from": BASELINE, "variants": {}}
     for variant in variants_of(config):
-        runs = completed_runs(records, variant.name)
+        paired = [(r["seed"], r["runs"][variant.name]) for r in records if _ok(r, variant.name)]
+        runs = [run for _, run in paired]
         finals = [run["curve"][-1] for run in runs]
         entry = {
             "adds": variant.adds,
@@ -60,6 +62,9 @@ def summarize(config: StudyConfig, records: list[dict]) -> dict:
                 name: spread([f[name][OVERALL] for f in finals])
                 for name in (metric, "greedy", f"pass@{config.eval_k}")
             },
+            "gain_over_baseline": spread(
+                [run["curve"][-1][metric][OVERALL] - targets[seed] for seed, run in paired if seed in targets]
+            ),
             "final_by_bucket": {
                 bucket: spread([f[metric][bucket] for f in finals])
                 for bucket in (finals[0][metric] if finals else {})
@@ -71,13 +76,18 @@ def summarize(config: StudyConfig, records: list[dict]) -> dict:
             "final_eval_entropy": spread([f["entropy"] for f in finals]),
             "final_eval_mean_length": spread([f["mean_length"] for f in finals]),
         }
-        if target is not None:
-            for axis, key in (("wall_clock_s", "wall_clock_to_target_s"), ("step", "steps_to_target")):
-                reached = [crossing(run["curve"], metric, target, axis) for run in runs]
-                entry[key] = spread([x for x in reached if x is not None])
-            entry["reached_target"] = sum(x is not None for x in reached)
+        with_target = [(seed, run) for seed, run in paired if seed in targets]
+        for axis, key in (("wall_clock_s", "wall_clock_to_target_s"), ("step", "steps_to_target")):
+            reached = [crossing(run["curve"], metric, targets[seed], axis) for seed, run in with_target]
+            entry[key] = spread([x for x in reached if x is not None])
+        entry["reached_target"] = sum(x is not None for x in reached)
+        entry["seeds_with_target"] = len(with_target)
         summary["variants"][variant.name] = entry
     return summary
+
+
+def _ok(record: dict, name: str) -> bool:
+    return record.get("runs", {}).get(name, {}).get("status") == "ok"
 
 
 def _cell(value: dict | None, digits: int = 3) -> str:
@@ -88,6 +98,13 @@ def _cell(value: dict | None, digits: int = 3) -> str:
     return f"{value['mean']:.{digits}f} ± {value['std']:.{digits}f}"
 
 
+def _signed(value: dict | None) -> str:
+    """A paired difference: mean ± standard deviation, and the range over seeds (all of one sign or not)."""
+    if value is None:
+        return "n/a"
+    return f"{value['mean']:+.3f} ± {value['std']:.3f} [{value['min']:+.3f}, {value['max']:+.3f}]"
+
+
 def format_table(summary: dict) -> str:
     """Markdown: one row per variant; ± is the standard deviation over seeds."""
     metric = summary["metric"]
@@ -96,22 +113,21 @@ def format_table(summary: dict) -> str:
         "variant",
         "seeds",
         f"final {metric}",
+        f"gain over {BASELINE}, same seed",
         "final greedy",
         *(f"{metric} {b} digits" for b in buckets),
         "RL wall-clock s",
-        f"wall-clock s to {BASELINE}'s final",
+        f"wall-clock s to the seed's {BASELINE} final",
         "completions generated",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, v in summary["variants"].items():
-        if "reached_target" in v:
-            reached = f"{_cell(v['wall_clock_to_target_s'], 1)} ({v['reached_target']}/{v['seeds_ok']} reached)"
-        else:
-            reached = "n/a"
+        reached = f"{_cell(v['wall_clock_to_target_s'], 1)} ({v['reached_target']}/{v['seeds_with_target']} reached)"
         row = [
             name,
             f"{v['seeds_ok']}" + (f" ({v['seeds_failed']} failed)" if v["seeds_failed"] else ""),
             _cell(v["final"][metric]),
+            _signed(v["gain_over_baseline"]),
             _cell(v["final"]["greedy"]),
             *(_cell(v["final_by_bucket"].get(b)) for b in buckets),
             _cell(v["train_s"], 1),
@@ -145,8 +161,22 @@ def _mean_series(runs: list[dict], name: str) -> tuple[list[float], list[float]]
     return steps, [statistics.fmean(by_step[s]) for s in steps]
 
 
+def _gain_curve(records: list[dict], name: str, metric: str) -> tuple[list, list, list, list]:
+    """Per evaluation: step, and mean, min and max over seeds of the overall `metric` minus the same seed's GRPO's."""
+    pairs = [
+        (r["runs"][name]["curve"], r["runs"][BASELINE]["curve"]) for r in records if _ok(r, name) and _ok(r, BASELINE)
+    ]
+    if not pairs:
+        return [], [], [], []
+    points = min(min(len(run), len(base)) for run, base in pairs)
+    gains = [[run[i][metric][OVERALL] - base[i][metric][OVERALL] for run, base in pairs] for i in range(points)]
+    steps = [pairs[0][0][i]["step"] for i in range(points)]
+    return steps, [statistics.fmean(g) for g in gains], [min(g) for g in gains], [max(g) for g in gains]
+
+
 def plot(config: StudyConfig, records: list[dict], path: str | Path) -> Path:
-    """A 3x3 PNG of every variant's mean over seeds (bands: min to max over seeds on the held-out panels)."""
+    """A 3x3 PNG of every variant's mean over seeds (bands: min to max over seeds on the held-out panels; the gain
+    panel pairs each seed's run with its GRPO run, the others show the seeds' spread of start points too)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,7 +187,6 @@ def plot(config: StudyConfig, records: list[dict], path: str | Path) -> Path:
     held_out = [
         (f"held-out {metric} vs step", "step", lambda p: p[metric][OVERALL]),
         (f"held-out {metric} vs training wall-clock (s)", "wall_clock_s", lambda p: p[metric][OVERALL]),
-        ("held-out greedy accuracy vs step", "step", lambda p: p["greedy"][OVERALL]),
         (f"held-out {metric}, {hardest} digits, vs step", "step", lambda p: p[metric][hardest]),
         ("policy entropy on held-out samples vs step", "step", lambda p: p["entropy"]),
         ("completions generated vs step", "step", lambda p: p["generated_completions"]),
@@ -172,11 +201,16 @@ def plot(config: StudyConfig, records: list[dict], path: str | Path) -> Path:
         runs = completed_runs(records, variant.name)
         if not runs:
             continue
-        for axis, (title, x, y) in zip(axes.flat[:6], held_out, strict=True):
+        panels = [axes.flat[0], axes.flat[1], *axes.flat[3:6]]
+        for axis, (title, x, y) in zip(panels, held_out, strict=True):
             xs, means, lows, highs = _mean_curve(runs, x, y)
             (line,) = axis.plot(xs, means, marker=".", label=variant.name)
             axis.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.12)
             axis.set_title(title, fontsize=10)
+        steps, means, lows, highs = _gain_curve(records, variant.name, metric)
+        (line,) = axes.flat[2].plot(steps, means, marker=".", label=variant.name)
+        axes.flat[2].fill_between(steps, lows, highs, color=line.get_color(), alpha=0.12)
+        axes.flat[2].set_title(f"held-out {metric} gain over {BASELINE}, same seed, vs step", fontsize=10)
         for axis, (title, name) in zip(axes.flat[6:], training, strict=True):
             steps, values = _mean_series(runs, name)
             axis.plot(steps, values, marker="." if len(steps) < 50 else None, label=variant.name)
