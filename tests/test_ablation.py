@@ -231,7 +231,7 @@ def test_smoke_study_runs_end_to_end(smoke_study):
     assert (output / "ablation.png").stat().st_size > 20_000
     summary = study["summary"]
     assert list(summary["variants"]) == [v.name for v in VARIANTS]
-    assert set(summary["targets"]) == {0, 1} and all(0.0 <= t <= 1.0 for t in summary["targets"].values())
+    assert set(summary["targets"]) == {"0", "1"} and all(0.0 <= t <= 1.0 for t in summary["targets"].values())
     # one generation batch per run: 2 prompts x 4 samples per step, 2 steps per batch
     batch = SMOKE.prompts_per_step * SMOKE.num_generations * SMOKE.steps_per_generation
     for name, variant in summary["variants"].items():
