@@ -3,7 +3,7 @@ fixed vs adaptive (`dynamic_sampling_oversample="auto"`) sizing and surplus reus
 (`dynamic_sampling_mode="stream"`) with rows in flight carried, finished or dropped when the batch is full.
 
     python benchmarks/bench_sampling.py --models qwen2.5-0.5b     # CUDA: random-init Qwen2.5-0.5B architecture
-    python benchmarks/bench_sampling.py --variable-lengths \\
+    python benchmarks/bench_sampling.py --variable-lengths --max-surplus-age 2 \\
         --sampling-modes auto:True stream:carry stream:finish     # CUDA: lengths up to 4,096, stream vs rounds
     python benchmarks/bench_sampling.py --tiny                    # CPU smoke run on the tiny local model
 
@@ -34,15 +34,18 @@ def mode_settings(mode: str) -> dict:
     return dict(dynamic_sampling_oversample=first, dynamic_sampling_keep_surplus=second == "True")
 
 
-def sampling_cost(config, setup, fraction: float, mode: str, max_rows: int, warmup: int, steps: int) -> dict:
-    """One DAPO run with `fraction` of the groups uninformative (constant reward, filtered), unbounded rounds."""
+def sampling_cost(
+    config, setup, fraction: float, mode: str, max_rows: int, warmup: int, steps: int, surplus_age: int | None
+) -> dict:
+    """One DAPO run with `fraction` of the groups uninformative (constant reward, filtered), unbounded rounds;
+    `surplus_age`: `max_surplus_age` (None: DAPOConfig's default, one generation batch)."""
     tokenizer = word_tokenizer(AutoConfig.from_pretrained(config).vocab_size)
     dataset = prompts(64 * setup["rows_per_step"], vocab_size=len(tokenizer))
     model = random_model(config, setup["device"], setup["dtype"])
     result = run_trainer(
         "dapo", model, tokenizer, dataset, setup, warmup, steps, reward=uninformative_reward(fraction),
         dynamic_sampling=True, max_num_gen_batches=0, rollout_engine="paged", rollout_max_rows=max_rows,
-        **mode_settings(mode),
+        max_surplus_age=surplus_age, **mode_settings(mode),
     )  # fmt: skip
     metrics = result["metrics"]
 
@@ -110,6 +113,9 @@ def main() -> None:
         "gradient checkpointing",
     )  # fmt: skip
     parser.add_argument("--max-rows", type=int, default=1024, help="the paged engine's decode slots")
+    parser.add_argument(
+        "--max-surplus-age", type=int, help="optimizer steps surplus and carried groups live (default: one batch's)"
+    )
     args = parser.parse_args()
     args.new_tokens = args.new_tokens or (4096 if args.variable_lengths else 256)
 
@@ -118,14 +124,16 @@ def main() -> None:
         args, device, pin_lengths=not args.variable_lengths, gradient_checkpointing=args.variable_lengths
     )
     output = ResultFile(args.output or default_output("bench_sampling", args.tiny, device), device, setup)
-    output.data["setup"].update(max_rows=str(args.max_rows))
+    output.data["setup"].update(max_rows=str(args.max_rows), max_surplus_age=str(args.max_surplus_age))
     rows = output.data["sampling"] = []
     default_model = "qwen2.5-0.5b-v2048" if args.variable_lengths else "qwen2.5-0.5b"
     for name in ["tiny"] if args.tiny else args.models or [default_model]:
         config = config_path(name)
         for fraction in args.sampling_fractions:
             for mode in args.sampling_modes:
-                run = sampling_cost(config, setup, fraction, mode, args.max_rows, args.warmup, args.steps)
+                run = sampling_cost(
+                    config, setup, fraction, mode, args.max_rows, args.warmup, args.steps, args.max_surplus_age
+                )
                 rows.append({"model": name, **run})
                 output.save()
                 print(table(rows), flush=True)

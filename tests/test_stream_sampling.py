@@ -196,6 +196,30 @@ def test_carried_groups_resume_in_the_next_stream_where_they_stopped():
     assert kept.completions == [[5] * 5] * 2 and kept.fresh_tokens == 4 and second.generated_tokens == 4
 
 
+def test_carry_fills_the_free_slots_while_groups_are_missing():
+    """The first test's script with `carry` and the 4 slots kept full: g0 and g1 enter (2 expected to qualify, all 4
+    slots). g0 ends at step 2: 1 kept, 1 expected from g1, so the deficit admits nothing, but its 2 slots are free:
+    g2 enters and ends at step 5, the second kept group; the batch is full with g1 five tokens into its six,
+    carried. Full at step 5 instead of 9, every slot busy at every step."""
+    script = iter([(2, True), (6, False), (3, True), (5, True)])
+    stream = GroupStream(
+        start=lambda prompts, resumed: ScriptedStream(prompts, slots=4, resumed=resumed),
+        next_prompt=lambda: (lambda length, informative: ({"informative": informative}, [length]))(*next(script)),
+        score=lambda rows, ids, completions: (torch.zeros(2, 1), torch.tensor([float(not rows[0]["informative"]), 1.0])),
+        agree=lambda values: values, num_generations=2, world=1, in_flight="carry", fill_rows=4,
+    )  # fmt: skip
+    outcome = stream.run(missing=2, budget=100)
+    assert outcome.full and outcome.admitted_groups == 3
+    assert [group.prompt_ids for group in outcome.kept] == [[2], [3]]
+    ((carried,),) = [outcome.carried]
+    assert carried.prompt_ids == [6] and carried.tokens == [[5] * 5] * 2
+    # tokens: g0 2 x 2, g2 3 x 2, g1 5 x 2 so far; 5 steps of 4 busy slots
+    assert (outcome.generated_tokens, outcome.carried_tokens) == (20, 10)
+    assert (outcome.busy_slot_steps, outcome.pool_slot_steps) == (20, 20)
+    with pytest.raises(ValueError, match="only 'carry' keeps"):
+        GroupStream(None, None, None, None, num_generations=2, world=1, in_flight="finish", fill_rows=4)
+
+
 def test_the_groups_in_flight_stay_within_their_cap():
     """The same script with at most one group in flight: g0 (kept), then g1 (filtered; the deficit of 1 at efficiency
     1/2 asks for 2 groups, the cap allows 1), then g2 (kept): full after 2 + 6 + 3 steps, one slot pair busy."""

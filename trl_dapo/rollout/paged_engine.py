@@ -51,7 +51,7 @@ class RolloutStats:
     decode_steps: int = 0
     slot_steps: int = 0  # sum over decode steps of the decode batch's slots
     busy_slot_steps: int = 0  # of those, slots whose row was still generating
-    pool_slot_steps: int = 0  # sum over decode steps of the call's whole pool of slots (busy / this: occupancy)
+    pool_slot_steps: int = 0  # sum over decode steps of the engine's `max_rows` slots (busy / this: occupancy)
     prefill_tokens: int = 0
     preemptions: int = 0
     synchronisations: int = 0
@@ -372,7 +372,7 @@ class _Generation:
                 decode()
         stats.decode_steps += steps
         stats.slot_steps += steps * bucket
-        stats.pool_slot_steps += steps * self.slot_count
+        stats.pool_slot_steps += steps * engine.max_rows  # the configured slots, whatever this call's rows
         self._synchronise()
         return True
 

@@ -5,11 +5,15 @@ cover the batch.
 Rounds (`buffer.py`) wait for a round's longest row before scoring, and each extra round pays that tail again; here
 the device keeps decoding while the host scores. Admission follows the deficit: new groups enter while the kept
 groups plus the expected yield of the groups in flight (running sampling efficiency x groups in flight) fall short.
+When rows in flight at the end are carried into the next batch (`in_flight="carry"`), a row admitted beyond the
+deficit is not waste, so admission also fills every free decode slot while groups are missing (`fill_rows`): a
+group holds its slots until its longest sample ends, and without filling the slots of its shorter samples stay idle.
 
 Across ranks each one streams its own prompts (its share of the dataloader batch, then every `world`-th prompt of
 the extra-prompt stream) and they agree every `sync_every` engine synchronisations, with one small all-reduce, on the
-global counts: when to admit more, and when the batch is full. Every decision reads only those counts, so the kept
-groups are a function of the seed and the number of ranks, never of timing. Nothing here imports the trainer.
+global counts: when to admit more, and when the batch is full. Every decision reads only those counts and the rank's
+own rows in flight at a synchronisation (a function of its sampled tokens), so the kept groups are a function of the
+seed and the number of ranks, never of timing. Nothing here imports the trainer.
 """
 
 from __future__ import annotations
@@ -108,9 +112,16 @@ class GroupStream:
         sync_every: int = 1,
         in_flight: str = "finish",
         prior: tuple[float, float] = (0.0, 0.0),
+        fill_rows: int = 0,
     ) -> None:
         if in_flight not in IN_FLIGHT_POLICIES:
             raise ValueError(f"in_flight={in_flight!r}: use one of {IN_FLIGHT_POLICIES}.")
+        if fill_rows and in_flight != "carry":
+            raise ValueError(
+                f"fill_rows={fill_rows} with in_flight={in_flight!r}: filling the slots beyond the deficit leaves rows "
+                "in flight at the end, which only 'carry' keeps; use in_flight='carry' or fill_rows=0."
+            )
+        self.fill_rows = fill_rows  # the rank's decode slots to keep busy while groups are missing (0: deficit only)
         self.start, self.next_prompt, self.score, self.agree = start, next_prompt, score, agree
         self.num_generations, self.world, self.sync_every, self.in_flight = (
             num_generations,
@@ -219,9 +230,16 @@ class GroupStream:
                 else:
                     outcome.filtered_tokens += sum(len(t) for t in tokens) - earlier
 
+        def free_groups(budget_left: float) -> int:
+            """Whole groups that fit the rank's free slots (`fill_rows` minus its rows in flight), within its share
+            of the admission budget."""
+            flying_rows = sum(entry["left"] for entry in pending.values())
+            return max(0, min((self.fill_rows - flying_rows) // G, math.floor(budget_left / self.world)))
+
         if carried:
             enter(list(carried))
         first = self.allowance(missing, 0, len(pending), self.efficiency(0, 0), budget, cap - len(pending))
+        first = max(first, free_groups(budget))
         admit(first if stream is not None else max(first, 1))
         steps = 0
         while True:
@@ -238,6 +256,7 @@ class GroupStream:
                 break
             efficiency = self.efficiency(qualified, scored)
             grant = self.allowance(missing, kept, flying, efficiency, budget - admitted, cap - flying)
+            grant = max(grant, free_groups(budget - admitted))
             if grant:
                 admit(grant)
             elif idle == self.world and admitted >= budget:

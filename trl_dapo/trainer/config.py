@@ -122,7 +122,9 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             `max_surplus_age`). `"drop"`: they are abandoned at once (their tokens are wasted, the step ends sooner).
             `"carry"`: they stop now and resume in the next generation batch's stream (partial rollouts): their KV is
             recomputed under the new weights, each token keeps the logprob of the policy that sampled it, and a group
-            older than `max_surplus_age` optimizer steps is dropped.
+            older than `max_surplus_age` optimizer steps is dropped. Since nothing in flight is lost, `"carry"` also
+            keeps every decode slot busy while groups are missing (admitting beyond the expected yield); raise
+            `max_surplus_age` when a batch decodes in less time than a group's longest sample takes.
         dynamic_sampling_stream_sync_every (`int`, *optional*, defaults to `1`):
             Stream mode: engine synchronisations (each `sync_every` decode steps) between two agreements of the
             ranks on the kept and in-flight counts (one small all-reduce); admissions and the end of the batch are

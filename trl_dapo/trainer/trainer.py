@@ -356,6 +356,7 @@ class DAPOTrainer(GRPOTrainer):
             sync_every=args.dynamic_sampling_stream_sync_every,
             in_flight=args.dynamic_sampling_in_flight,
             prior=(self.sampling_buffer.qualified_weight, self.sampling_buffer.generated_weight),
+            fill_rows=self.rollout_engine.max_rows if args.dynamic_sampling_in_flight == "carry" else 0,
         )
         dataset_prompts = self.prompt_stream.num_prompts
         if args.max_num_gen_batches:
