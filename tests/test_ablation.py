@@ -265,12 +265,15 @@ def test_a_rerun_does_only_what_is_missing_and_checks_the_start_points(smoke_stu
     # seed 0 on a fresh machine, one run lost: its warm start is redone and must reproduce the recorded weights
     shutil.rmtree(output / "models" / "seed0")
     (runs / "seed0" / "grpo.json").unlink()
-    # seed 1's recorded start point is not the one on disk: its runs did not start from it
+    # seed 1's recorded start point and runs are not the weights on disk: its runs did not start from them
     start1 = json.loads((runs / "seed1" / "start.json").read_text())
-    (runs / "seed1" / "start.json").write_text(json.dumps({**start1, "digest": "0" * 64}))
+    for path in (runs / "seed1").glob("*.json"):
+        record = json.loads(path.read_text())
+        record["start_digest" if path.stem != "start" else "digest"] = "0" * 64
+        path.write_text(json.dumps(record))
     stdout = run_smoke(output).stdout
     assert "[seed 0] start point in" in stdout and "[seed 0] grpo: ok" in stdout
-    assert "[seed 1] warm start did not reproduce the recorded weights" in stdout
+    assert "[seed 1] 7 earlier runs did not start from these weights" in stdout
     seed0 = [line for line in stdout.splitlines() if line.startswith("[seed 0]") and ": ok in" in line]
     assert len(seed0) == 1  # the other six runs of seed 0 were kept, byte for byte
     for name in VARIANTS[1:]:
@@ -285,7 +288,7 @@ def test_a_rerun_does_only_what_is_missing_and_checks_the_start_points(smoke_stu
         return [{k: v for k, v in point.items() if k != "wall_clock_s"} for point in run["curve"]]
 
     assert learned(redone) == learned(lost) and redone["train"] == lost["train"]
-    assert sorted(p.name for p in (runs / "seed1" / "stale").glob("*.json")) == sorted(
+    assert sorted(p.name for p in (runs / "seed1" / "stale").glob("*/*.json")) == sorted(
         f"{v.name}.json" for v in VARIANTS
     )
     assert json.loads((runs / "seed1" / "start.json").read_text())["digest"] == start1["digest"]  # the true one

@@ -6,6 +6,7 @@ explicitly, so a changed default in `DAPOConfig` or `GRPOConfig` does not change
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -90,6 +91,12 @@ class StudyConfig:
     def eval_steps(self) -> list[int]:
         """Optimizer steps with a held-out evaluation: 0, every `eval_every`, and the last."""
         return sorted({0, *range(self.eval_every, self.max_steps + 1, self.eval_every), self.max_steps})
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the settings that change what a run learns or reports (not which seeds or variants run, nor
+        how many processes run them): a result recorded under other settings is not reused."""
+        values = {k: v for k, v in asdict(self).items() if k not in ("seeds", "variants", "workers", "torch_threads")}
+        return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))

@@ -121,28 +121,36 @@ def prepare_seed(config: StudyConfig, output: Path, seed: int) -> dict:
     """This seed's start point: build and warm-start the model, evaluate it, record the weights' digest. Kept when
     its model is on disk with the recorded digest; rebuilt otherwise, and checked against the recorded digest."""
     recorded, path = read_json(result_file(output, seed, START)), model_dir(output, seed)
+    if recorded and recorded.get("settings") != config.fingerprint():
+        recorded = None  # recorded under other settings: nothing of it is reused
     if recorded and path.exists() and weights_digest(path) == recorded["digest"]:
         print(f"[seed {seed}] start point kept (weights digest {recorded['digest'][:12]})", flush=True)
         return recorded
     data = study_data(config)
     build_model(path, config, seed)
-    record: dict[str, Any] = {"seed": seed}
+    record: dict[str, Any] = {"seed": seed, "settings": config.fingerprint()}
     record["warm_start"] = warm_start(path, config, set(data["test"]["prompt"]), seed)
     record["digest"] = weights_digest(path)
-    model = AutoModelForCausalLM.from_pretrained(path).to(config.device)
-    began = time.perf_counter()
-    record["start_point"] = evaluate(model, load_tokenizer(path), data["test"], eval_settings(config, seed))
-    record["step0_eval_s"] = time.perf_counter() - began
-    del model
-    if recorded and recorded["digest"] != record["digest"]:
-        stale = seed_dir(output, seed) / "stale"
-        moved = [p for p in seed_dir(output, seed).glob("*.json") if p.stem != START]
-        stale.mkdir(exist_ok=True)
+    if recorded and recorded["digest"] == record["digest"]:  # reproduced: the earlier runs' step 0 stays theirs
+        record["start_point"], record["step0_eval_s"] = recorded["start_point"], recorded["step0_eval_s"]
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path).to(config.device)
+        began = time.perf_counter()
+        record["start_point"] = evaluate(model, load_tokenizer(path), data["test"], eval_settings(config, seed))
+        record["step0_eval_s"] = time.perf_counter() - began
+        del model
+    moved = [
+        p for p in seed_dir(output, seed).glob("*.json")
+        if p.stem != START and read_json(p).get("start_digest") != record["digest"]
+    ]  # fmt: skip
+    if moved:
+        stale = seed_dir(output, seed) / "stale" / time.strftime("%Y%m%d-%H%M%S")
+        stale.mkdir(parents=True, exist_ok=True)
         for run in moved:
             run.replace(stale / run.name)
         print(
-            f"[seed {seed}] warm start did not reproduce the recorded weights (digest {record['digest'][:12]}, "
-            f"recorded {recorded['digest'][:12]}): its {len(moved)} earlier runs moved to {stale} and run again",
+            f"[seed {seed}] {len(moved)} earlier runs did not start from these weights (digest "
+            f"{record['digest'][:12]}): moved to {stale}, run again",
             flush=True,
         )
     write_json(result_file(output, seed, START), record)
@@ -185,21 +193,30 @@ def run_variant(variant: Variant, config: StudyConfig, seed: int, output: Path, 
 
 def run_job(config: StudyConfig, output: Path, seed: int, name: str) -> None:
     start = read_json(result_file(output, seed, START))
-    point = {"step": 0, "wall_clock_s": 0.0, "generated_completions": 0, "generated_tokens": 0, **start["start_point"]}
-    result = run_variant(variant_named(name), config, seed, output, study_data(config), point)
-    result["start_digest"] = start["digest"]
+    if weights_digest(model_dir(output, seed)) != start["digest"]:  # a rebuild that died before recording itself
+        result = {"status": "failed", "error": "the seed's model is not its recorded start point", "total_s": 0.0}
+    else:
+        point = {"step": 0, "wall_clock_s": 0.0, "generated_completions": 0, "generated_tokens": 0}
+        result = run_variant(
+            variant_named(name), config, seed, output, study_data(config), point | start["start_point"]
+        )
+    result["start_digest"], result["settings"] = start["digest"], config.fingerprint()
     write_json(result_file(output, seed, name), result)
     print(f"[seed {seed}] {name}: {result['status']} in {result['total_s']:.1f} s", flush=True)
 
 
 def pending_jobs(config: StudyConfig, output: Path) -> list[tuple[int, str]]:
-    """The (seed, variant) runs without a successful result from the seed's current start point."""
-    jobs = []
+    """The (seed, variant) runs without a successful result from the seed's current start point under these
+    settings; a seed without a start point (its warm start failed) has none to run."""
+    jobs, settings = [], config.fingerprint()
     for seed in config.seeds:
         start = read_json(result_file(output, seed, START))
+        if start is None or start.get("settings") != settings:
+            continue
         for variant in run_order(config):
             done = read_json(result_file(output, seed, variant.name))
-            if not (start and done and done["status"] == "ok" and done.get("start_digest") == start["digest"]):
+            if not (done and done["status"] == "ok" and done.get("start_digest") == start["digest"]
+                    and done.get("settings") == settings):  # fmt: skip
                 jobs.append((seed, variant.name))
     return jobs
 
@@ -267,8 +284,8 @@ def load_seed_records(config: StudyConfig, output: Path) -> list[dict]:
     records = []
     for seed in config.seeds:
         start = read_json(result_file(output, seed, START))
-        if start is None:
-            continue
+        if start is None or start.get("settings", config.fingerprint()) != config.fingerprint():
+            continue  # (results recorded before settings fingerprints are read as the study's)
         runs = {}
         for variant in run_order(config):
             run = read_json(result_file(output, seed, variant.name))

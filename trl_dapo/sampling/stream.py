@@ -158,7 +158,8 @@ class GroupStream:
         carried: list[CarriedGroup] | None = None,
     ) -> StreamOutcome:
         """Stream until the kept groups of all ranks reach `missing` or `budget` groups (over all ranks) were admitted
-        and scored, with at most about `max_in_flight` groups (over all ranks) admitted and not yet scored. `carried`:
+        and scored, with at most about `max_in_flight` groups (over all ranks) admitted and not yet scored, or with
+        `fill_rows`, as many as the slots hold. `carried`:
         this rank's groups left in flight by the previous batch (policy "carry"), resumed first."""
         cap = math.inf if max_in_flight is None else max_in_flight
         outcome = StreamOutcome()
@@ -239,7 +240,7 @@ class GroupStream:
         if carried:
             enter(list(carried))
         first = self.allowance(missing, 0, len(pending), self.efficiency(0, 0), budget, cap - len(pending))
-        first = max(first, free_groups(budget))
+        first = max(first, min(free_groups(budget), math.floor(budget / self.world) - len(pending)))
         admit(first if stream is not None else max(first, 1))
         steps = 0
         while True:
