@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import dapo_args
 from trl_dapo.rollout import SamplingSettings, StaticRolloutEngine, sampling_settings
-from trl_dapo.rollout.sampling import pick_tokens
+from trl_dapo.rollout.sampling import chunked_argmax, chunked_logsumexp, pick_tokens, truncate
 from trl_dapo.rollout.weights import linear_weight
 
 
@@ -216,3 +216,33 @@ def test_lora_is_merged_in_float32_and_rounded_once(tiny_model):
     twice = weight + delta.to(torch.bfloat16)
     assert not torch.equal(merged, twice)
     assert (merged.double() - exact).abs().mean() < (twice.double() - exact).abs().mean()
+
+
+@pytest.mark.parametrize("vocab", [152064, 2048, 5100, 97])
+def test_the_vocabulary_is_reduced_in_chunks_with_the_full_reductions_results(vocab):
+    """The head reduces each row chunk by chunk (a decode batch has too few rows to fill a GPU one row per program):
+    the argmax is the first maximal index however the ties fall across chunks, the logsumexp the float64 one."""
+    generator = torch.Generator().manual_seed(vocab)
+    values = torch.randn(5, vocab, generator=generator) * 8
+    values[1] = 0.5  # one tie across every chunk: the first index wins
+    values[2, [7, vocab - 1]] = 100.0  # a tie between the first and the last chunk
+    values[3, vocab - 1] = 100.0  # the maximum in the last chunk
+    assert chunked_argmax(values).tolist() == [values[0].argmax().item(), 0, 7, vocab - 1, values[4].argmax().item()]
+    exact = values.double().logsumexp(dim=-1)
+    torch.testing.assert_close(chunked_logsumexp(values).double(), exact, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (20, 0.9)])
+def test_the_head_picks_the_gumbel_max_token_and_its_tempered_logprob(top_k, top_p):
+    """Against the formula written out over the full vocabulary: the token maximising the truncated tempered logits
+    plus Gumbel noise, and `log_softmax(logits / temperature)` of it."""
+    generator = torch.Generator().manual_seed(1)
+    hidden, lm_head = torch.randn(16, 32, generator=generator), torch.randn(2048, 32, generator=generator)
+    noise = torch.rand(16, 2048, generator=generator)
+    settings = SamplingSettings(4, temperature=0.7, top_k=top_k, top_p=top_p)
+    token, logprob = pick_tokens(hidden, lm_head, noise, settings, torch.tensor([2]), torch.zeros(()))
+    logits = (hidden @ lm_head.T) / 0.7
+    candidates = truncate(logits, settings) if top_k else logits
+    expected = (candidates - torch.log(-torch.log(noise))).argmax(dim=-1)
+    assert torch.equal(token, expected)
+    torch.testing.assert_close(logprob, torch.log_softmax(logits, dim=-1).gather(1, expected[:, None]).squeeze(1))

@@ -117,7 +117,8 @@ class PagedRolloutEngine:
         self._rope_length = 0
         self.warm_steps: set[tuple] = set()  # (bucket, settings) whose decode step has run (compiled, kernels chosen)
         self._use_triton = self.device.type == "cuda" and triton is not None
-        self._attention_inputs, self._layer_output, self._pick = self._qkv, self._mlp, pick_tokens
+        self._attention_inputs, self._decode_query, self._layer_output = self._qkv, self._query, self._mlp
+        self._final_norm, self._pick = self._rms_norm, pick_tokens
         wanted = cuda_graph if compile_decode is None else compile_decode
         if wanted and self.device.type == "cuda" and triton is None:
             logger.warning("Triton is not installed: the rollout engine decodes with unfused kernels.")
@@ -126,7 +127,11 @@ class PagedRolloutEngine:
             # symbolic; a compile specialised to them would recompile inside the next call, whose pool differs); the
             # sampling head fuses its vocabulary passes
             self._attention_inputs = _compile_with_rows(self._qkv, (0, 1, 2, 3, 4, 5))  # x, cos, sin, slots, caches
+            # decode compiles its own (tuned at decode batch sizes, and returning only q: an output aliasing the
+            # projection's buffer, as v is, costs a copy per layer)
+            self._decode_query = _compile_with_rows(self._query, (0, 1, 2, 3, 4, 5))
             self._layer_output = _compile_with_rows(self._mlp, (0, 1))
+            self._final_norm = _compile_with_rows(self._rms_norm, (0,))
             self._pick = _compile_with_rows(pick_tokens, (0, 2, 5))  # hidden, noise, generated
 
     def sync_weights(self, model) -> None:
@@ -161,6 +166,10 @@ class PagedRolloutEngine:
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
         return q, k, v
+
+    def _query(self, x, cos, sin, slots, k_cache, v_cache, layer: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`_qkv`'s rotated q alone (decode reads k and v from the cache)."""
+        return self._qkv(x, cos, sin, slots, k_cache, v_cache, layer)[0]
 
     def _mlp(self, x, attention_out, layer: dict[str, torch.Tensor]) -> torch.Tensor:
         """The rest of a decoder layer after the output projection: residual, MLP block."""
@@ -518,13 +527,13 @@ class _Generation:
         splits = num_splits(bucket, engine.num_kv_heads, engine.device) if engine._use_triton else 0
         x = F.embedding(tokens, engine.snapshot.embed)
         for layer, (k_cache, v_cache) in zip(engine.snapshot.layers, self.caches, strict=True):
-            q, _, _ = engine._attention_inputs(x, cos, sin, write, k_cache, v_cache, layer)
+            q = engine._decode_query(x, cos, sin, write, k_cache, v_cache, layer)
             if engine._use_triton:
                 attention = triton_decode_attention(q, k_cache, v_cache, table, lengths, page_size, splits)
             else:
                 attention = reference_decode_attention(q, k_cache, v_cache, table, lengths, page_size, self.max_length)
             x = engine._layer_output(x, engine._output_projection(attention, layer), layer)
-        hidden = engine._rms_norm(x, engine.snapshot.final_norm)
+        hidden = engine._final_norm(x, engine.snapshot.final_norm)
         noise = sampling_noise(bucket, engine.vocab_size, self.settings, engine.device)
         counts = generated.clone()  # not a view, as in `_start_rows`
         token, logprob = engine._pick(hidden, engine.snapshot.lm_head, noise, self.settings, engine.eos, counts)

@@ -6,6 +6,8 @@ token is `log_softmax(logits / temperature)` over the full vocabulary, the quant
 so it is the old policy directly. The logits are computed in the precision the training forward's head uses: rounded
 to the weights' dtype (bf16) like TRL's default head, or kept in float32 (`fp32_logits`) like its head with
 `cast_lm_head_to_fp32=True`; two heads that round differently disagree by up to half a bf16 step of each logit.
+The vocabulary-wide reductions (the sampled token, the logsumexp) run over chunks of each row: a decode batch has
+tens of rows, and the compiled full-row `log_softmax` took 1.1 ms of a 6.1 ms 7B decode step on an H200.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+VOCAB_CHUNKS = 64
 
 
 @dataclass(frozen=True)
@@ -50,16 +54,40 @@ def pick_tokens(
     if settings.min_new_tokens:
         blocked = (generated < settings.min_new_tokens).float() * -1e9
         logits[:, eos] += blocked.reshape(-1, 1) if blocked.dim() else blocked
-    if noise is None:
-        token = logits.argmax(dim=-1)
-        return token, torch.log_softmax(logits, dim=-1).gather(1, token[:, None]).squeeze(1)
-    logits = logits / settings.temperature
-    logprobs = torch.log_softmax(logits, dim=-1)
+    if noise is not None:
+        logits = logits / settings.temperature
     candidates = logits
-    if settings.top_k or settings.top_p < 1.0:
+    if noise is not None and (settings.top_k or settings.top_p < 1.0):
         candidates = truncate(logits, settings)
-    token = (candidates - torch.log(-torch.log(noise.clamp(1e-10, 1.0)))).argmax(dim=-1)
-    return token, logprobs.gather(1, token[:, None]).squeeze(1)
+    if noise is not None:
+        candidates = candidates - torch.log(-torch.log(noise.clamp(1e-10, 1.0)))
+    token = chunked_argmax(candidates)
+    return token, logits.gather(1, token[:, None]).squeeze(1) - chunked_logsumexp(logits)
+
+
+def vocab_chunks(vocab_size: int) -> int:
+    """Chunks each row's vocabulary is reduced in (a power of two dividing it, at most VOCAB_CHUNKS)."""
+    return math.gcd(vocab_size, VOCAB_CHUNKS)
+
+
+def chunked_argmax(values: torch.Tensor) -> torch.Tensor:
+    """`values.argmax(dim=-1)` of (rows, vocab), first index on ties, as a reduction over chunks of the vocabulary
+    and then over the chunks' maxima: a decode batch has few rows, and a reduction with one program per row (what
+    the compiled head generated for a full-vocabulary `argmax` / `log_softmax`) leaves most of the GPU idle."""
+    rows, vocab = values.shape
+    chunks = vocab_chunks(vocab)
+    chunk_max, chunk_index = values.view(rows, chunks, vocab // chunks).max(dim=-1)
+    best = chunk_max.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
+    return (best * (vocab // chunks) + chunk_index.gather(1, best)).squeeze(1)
+
+
+def chunked_logsumexp(values: torch.Tensor) -> torch.Tensor:
+    """`values.logsumexp(dim=-1)` of finite (rows, vocab) float32, chunk by chunk (see `chunked_argmax`)."""
+    rows, vocab = values.shape
+    chunks = vocab_chunks(vocab)
+    parts = values.view(rows, chunks, vocab // chunks)
+    top = parts.amax(dim=-1).amax(dim=-1, keepdim=True)  # (rows, 1)
+    return torch.log(torch.exp(parts - top.unsqueeze(-1)).sum(dim=-1).sum(dim=-1)) + top.squeeze(1)
 
 
 def head_logits(hidden: torch.Tensor, lm_head: torch.Tensor, fp32: bool) -> torch.Tensor:
