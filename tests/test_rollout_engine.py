@@ -246,3 +246,22 @@ def test_the_head_picks_the_gumbel_max_token_and_its_tempered_logprob(top_k, top
     expected = (candidates - torch.log(-torch.log(noise))).argmax(dim=-1)
     assert torch.equal(token, expected)
     torch.testing.assert_close(logprob, torch.log_softmax(logits, dim=-1).gather(1, expected[:, None]).squeeze(1))
+
+
+@pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("clang++")), reason="the CPU compiler needs a C++ compiler"
+)
+def test_the_compiled_head_serves_models_of_other_vocabularies():
+    """Engines of models with different vocabularies share the head's compiled code, so the second vocabulary size
+    makes it symbolic: the compiled head must still give the eager head's tokens and logprobs."""
+    compiled = torch.compile(pick_tokens, fullgraph=True)
+    settings = SamplingSettings(4, temperature=0.7, min_new_tokens=2)
+    eos, generated = torch.tensor([2]), torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    for vocab in (2048, 1536, 5100):
+        generator = torch.Generator().manual_seed(vocab)
+        hidden, lm_head = torch.randn(8, 16, generator=generator), torch.randn(vocab, 16, generator=generator)
+        noise = torch.rand(8, vocab, generator=generator)
+        token, logprob = compiled(hidden, lm_head, noise, settings, eos, generated)
+        expected_token, expected_logprob = pick_tokens(hidden, lm_head, noise, settings, eos, generated)
+        assert torch.equal(token, expected_token)
+        torch.testing.assert_close(logprob, expected_logprob)

@@ -66,14 +66,18 @@ def pick_tokens(
 
 
 def vocab_chunks(vocab_size: int) -> int:
-    """Chunks each row's vocabulary is reduced in (a power of two dividing it, at most VOCAB_CHUNKS)."""
-    return math.gcd(vocab_size, VOCAB_CHUNKS)
+    """Chunks each row's vocabulary is reduced in: the largest power of two up to VOCAB_CHUNKS dividing it (by
+    remainders, not `math.gcd`: under `torch.compile` the size may be symbolic)."""
+    chunks = VOCAB_CHUNKS
+    while vocab_size % chunks:
+        chunks //= 2
+    return chunks
 
 
 def chunked_argmax(values: torch.Tensor) -> torch.Tensor:
     """`values.argmax(dim=-1)` of (rows, vocab), first index on ties, as a reduction over chunks of the vocabulary
     and then over the chunks' maxima: a decode batch has few rows, and a reduction with one program per row (what
-    the compiled head generated for a full-vocabulary `argmax` / `log_softmax`) leaves most of the GPU idle."""
+    the compiled head generated for a full-vocabulary `log_softmax`) leaves most of the GPU idle."""
     rows, vocab = values.shape
     chunks = vocab_chunks(vocab)
     chunk_max, chunk_index = values.view(rows, chunks, vocab // chunks).max(dim=-1)
@@ -82,12 +86,16 @@ def chunked_argmax(values: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_logsumexp(values: torch.Tensor) -> torch.Tensor:
-    """`values.logsumexp(dim=-1)` of finite (rows, vocab) float32, chunk by chunk (see `chunked_argmax`)."""
+    """`values.logsumexp(dim=-1)` of finite (rows, vocab) float32, chunk by chunk (see `chunked_argmax`). Each chunk
+    is shifted by its own maximum, so its sum depends on that chunk alone (a shift by the row's maximum would let the
+    compiler merge the two stages back into one reduction per row)."""
     rows, vocab = values.shape
     chunks = vocab_chunks(vocab)
     parts = values.view(rows, chunks, vocab // chunks)
-    top = parts.amax(dim=-1).amax(dim=-1, keepdim=True)  # (rows, 1)
-    return torch.log(torch.exp(parts - top.unsqueeze(-1)).sum(dim=-1).sum(dim=-1)) + top.squeeze(1)
+    chunk_max = parts.amax(dim=-1, keepdim=True)  # (rows, chunks, 1)
+    chunk_sum = torch.exp(parts - chunk_max).sum(dim=-1)  # (rows, chunks)
+    top = chunk_max.squeeze(-1).amax(dim=-1, keepdim=True)  # (rows, 1)
+    return torch.log((chunk_sum * torch.exp(chunk_max.squeeze(-1) - top)).sum(dim=-1)) + top.squeeze(1)
 
 
 def head_logits(hidden: torch.Tensor, lm_head: torch.Tensor, fp32: bool) -> torch.Tensor:
