@@ -297,6 +297,31 @@ def test_compiled_layer_and_head_match_the_eager_ones_and_compile_once(model_and
 @pytest.mark.skipif(
     not (shutil.which("g++") or shutil.which("clang++")), reason="the CPU compiler needs a C++ compiler"
 )
+def test_engines_of_other_models_compile_for_their_own_sizes(model_and_tokenizer):
+    """Engines of models of three widths in one process share the compiled code: each width gets its own compile
+    (specialised, as a training run's one model is), not a symbolic-width one made on the second model and reused."""
+    from torch._dynamo.utils import counters
+
+    _, tokenizer = model_and_tokenizer
+    graphs, batch = [], prompts(tokenizer, count=3)
+    for hidden in (64, 96, 128):
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        )  # fmt: skip
+        model = AutoModelForCausalLM.from_config(config).eval()
+        out = engine_for(model, tokenizer, compile_decode=True).generate(batch, SamplingSettings(4, greedy=True))
+        for prompt, completion in zip(batch, out.completions, strict=True):
+            assert completion == greedy_reference(model, tokenizer, prompt, 4)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] < graphs[1] < graphs[2]
+
+
+@pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("clang++")), reason="the CPU compiler needs a C++ compiler"
+)
 def test_the_compiled_sampling_head_returns_the_sampled_tokens_logprobs(model_and_tokenizer):
     """Sampling (tempered, top-k) through the compiled head: the logprob returned for each sampled token is a
     teacher-forced forward's."""

@@ -254,14 +254,17 @@ class PagedRolloutEngine:
 
 def _compile_with_rows(function, row_arguments: tuple[int, ...]):
     """`torch.compile(function)` with the first dimension of the positional tensor arguments `row_arguments` (tokens,
-    rows, cache slots) symbolic from the first call; every other size stays specialised."""
+    rows, cache slots) symbolic from the first call; every other size stays specialised, also when engines of other
+    models share the compiled code: by default a second model's sizes would turn the model dimensions symbolic (the
+    7B decode step ran 6% slower after a 0.5B engine in the same process)."""
     compiled = torch.compile(function, fullgraph=True)
 
     def call(*args):
         for index in row_arguments:
             if isinstance(args[index], torch.Tensor):
                 torch._dynamo.maybe_mark_dynamic(args[index], 0)
-        return compiled(*args)
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            return compiled(*args)
 
     return call
 
