@@ -1,7 +1,9 @@
 """The paged continuous-batching rollout engine on the CPU (eager, the same scheduler as on CUDA): greedy tokens equal
 `generate`'s, sampled logprobs equal a teacher-forced forward, sampling follows the tempered truncated distribution,
-preemption and refills change nothing, prompts are prefilled once per group, LoRA is merged, weights sync in place."""
+preemption and refills change nothing, prompts are prefilled once per group, LoRA is merged, weights sync in place,
+every supported model type is served, and a set-up the engine cannot serve falls back to TRL's path, logging why."""
 
+import logging
 import math
 import os
 import shutil
@@ -11,12 +13,14 @@ import sys
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen3Config
 
 from helpers import arithmetic_prompts, dapo_args, first_token_parity
 from trl_dapo import DAPOTrainer
-from trl_dapo.rollout import SamplingSettings
+from trl_dapo.rollout import SamplingSettings, select_rollout_engine
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
+from trl_dapo.rollout.weights import SUPPORTED_MODEL_TYPES
+from trl_dapo.testing import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +227,22 @@ def test_compiled_layer_and_head_match_the_eager_ones_and_compile_once(model_and
     assert compiles[0] > 0 and compiles[1:] == [compiles[0]] * 2
 
 
+@pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("clang++")), reason="the CPU compiler needs a C++ compiler"
+)
+def test_the_compiled_sampling_head_returns_the_sampled_tokens_logprobs(model_and_tokenizer):
+    """Sampling (tempered, top-k) through the compiled head: the logprob returned for each sampled token is a
+    teacher-forced forward's."""
+    model, tokenizer = model_and_tokenizer
+    torch.manual_seed(0)
+    batch, settings = prompts(tokenizer), SamplingSettings(12, temperature=0.8, top_k=20)
+    out = engine_for(model, tokenizer, compile_decode=True).generate(batch, settings)
+    assert any(len(c) > 3 for c in out.completions)
+    for prompt, completion, logps in zip(batch, out.completions, trimmed(out.logprobs, out.completions), strict=True):
+        expected = teacher_forced_logprobs(model, prompt, completion, settings.temperature)
+        torch.testing.assert_close(logps, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_a_cache_too_small_for_one_row_is_a_clear_error(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     with pytest.raises(ValueError, match=r"cannot hold one row of up to \d+ prompt \+ 64 new tokens"):
@@ -313,3 +333,57 @@ def test_the_engine_refuses_what_it_cannot_serve(tiny_model, tmp_path):
             train_dataset=arithmetic_prompts(8),
             rollout_func=lambda prompts, trainer: {},
         )
+
+
+@pytest.mark.parametrize("config_class", [LlamaConfig, MistralConfig, Qwen3Config], ids=["llama", "mistral", "qwen3"])
+def test_every_supported_model_type_generates_what_generate_does(model_and_tokenizer, config_class):
+    """The tiny model is a Qwen2 (q/k/v biases, tied head); these have no biases, an untied head, and Qwen3's q/k
+    norms: greedy tokens equal `generate`'s and sampled logprobs a teacher-forced forward's."""
+    _, tokenizer = model_and_tokenizer
+    torch.manual_seed(0)
+    config = config_class(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert model.config.model_type in SUPPORTED_MODEL_TYPES and not model.config.tie_word_embeddings
+    batch = prompts(tokenizer)
+    greedy = engine_for(model, tokenizer).generate(batch, SamplingSettings(max_new_tokens=12, greedy=True))
+    for prompt, completion in zip(batch, greedy.completions, strict=True):
+        assert completion == greedy_reference(model, tokenizer, prompt, 12)
+    sampled = engine_for(model, tokenizer).generate(batch, SamplingSettings(12, temperature=0.8, top_k=20))
+    logprobs = trimmed(sampled.logprobs, sampled.completions)
+    for prompt, completion, logps in zip(batch, sampled.completions, logprobs, strict=True):
+        expected = teacher_forced_logprobs(model, prompt, completion, temperature=0.8)
+        torch.testing.assert_close(logps, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def unsupported_model(tmp_path_factory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("moe-model"), kind="moe")
+
+
+def test_an_unsupported_set_up_falls_back_to_trls_path_and_logs_why(unsupported_model, tmp_path, caplog, monkeypatch):
+    """`"auto"` takes TRL's path without a CUDA device, and on CUDA for a set-up the engine cannot serve, logging
+    why; asking for `"paged"` there is an error with the same reason."""
+    trainer = DAPOTrainer(
+        model=unsupported_model,
+        reward_funcs=first_token_parity,
+        args=dapo_args(tmp_path, per_device_train_batch_size=8, rollout_engine="trl"),
+        train_dataset=arithmetic_prompts(8),
+    )
+    assert trainer.rollout_engine is None
+    trainer.args.rollout_engine = "auto"
+    with caplog.at_level(logging.INFO, logger="trl_dapo.rollout"):
+        assert select_rollout_engine(trainer) is None
+    assert caplog.messages == ["rollout_engine='auto': no CUDA device, using TRL's generation path."]
+    caplog.clear()
+    monkeypatch.setattr(type(trainer.accelerator), "device", property(lambda accelerator: torch.device("cuda")))
+    with caplog.at_level(logging.INFO, logger="trl_dapo.rollout"):
+        assert select_rollout_engine(trainer) is None
+    reason = "model type 'qwen3_moe' is not supported"
+    assert caplog.messages == [f"rollout_engine='auto' falls back to TRL's generation path: {reason}."]
+    trainer.args.rollout_engine = "paged"
+    with pytest.raises(ValueError, match=f"^DAPOConfig.rollout_engine='paged' cannot be used here: {reason}.$"):
+        select_rollout_engine(trainer)
