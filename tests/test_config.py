@@ -136,6 +136,21 @@ def test_a_rollout_correction_needs_the_recomputed_old_policy():
     )
 
 
+def test_the_rollout_engine_choices_are_auto_paged_and_trl():
+    """The removed static engine's name is refused, with the choices left, by the config and by its CLI parser."""
+    with pytest.raises(
+        ValueError, match=r"^DAPOConfig.rollout_engine='static' is invalid: use one of \('auto', 'paged', 'trl'\)\.$"
+    ):
+        make(rollout_engine="static")
+    assert [make(rollout_engine=choice).rollout_engine for choice in ("auto", "paged", "trl")] == [
+        "auto",
+        "paged",
+        "trl",
+    ]
+    (field,) = [f for f in dataclasses.fields(DAPOConfig) if f.name == "rollout_engine"]
+    assert field.metadata["choices"] == ("auto", "paged", "trl")
+
+
 @pytest.mark.parametrize("threshold", [dict(rollout_correction_max=5.0), dict(rollout_correction_min=0.5)])
 def test_a_correction_threshold_without_a_correction_is_not_ignored(threshold):
     (name,) = threshold
