@@ -1,5 +1,4 @@
-"""The rollout engines in DAPO's real regime, side by side in one process: HF `generate` (TRL's path), the static
-engine and the paged engine.
+"""The rollout engine in DAPO's real regime, beside HF `generate` (TRL's path) in one process.
 
     python benchmarks/bench_rollout.py --models qwen2.5-0.5b --shapes 128x256-fixed 128x1024 1024x8192
     python benchmarks/bench_rollout.py --tiny          # CPU smoke run on the tiny local model (fp32, eager)
@@ -9,15 +8,15 @@ fixed shapes) in groups of 16 identical prompts, as DAPO samples them, with rand
 to NEW tokens at temperature 1. `-fixed` pins every length to NEW (`min_new_tokens`) on the full-vocabulary config
 of each of `--models`; otherwise nothing is pinned and the model's 2,048-token-vocabulary variant runs, so lengths
 are geometric with mean about 2,000, capped at NEW. `-lora` runs `--lora-model` (Qwen2.5-7B layers) wrapped in a
-LoRA r=16 all-linear adapter, which the engines merge into their snapshots. `=ENGINE,...` picks the engines (hf,
-static, paged); by default a named shape runs those that finish in reasonable time and memory (`DEFAULT_ENGINES`).
+LoRA r=16 all-linear adapter, which the paged engine merges into its snapshot. `=ENGINE,...` picks the engines (hf,
+paged); by default a named shape runs those that finish in reasonable time and memory (`DEFAULT_ENGINES`).
 
 Per (model, shape, engine): useful tokens/s = sum of completion lengths / device-synchronised wall time of one
 generate call, after warm-up calls (engine construction, compile, capture: reported on their own); the share of
 decode work spent on finished rows; peak memory over the call; and bandwidth use = floor / measured time, the floor
 being the time to read, at the measured copy bandwidth, the weights once per decode step and each row's live KV
 cache at each of its steps. The paged engine is built once per model and serves each of its shapes, as it serves
-every round of a training run; the static engine is built afresh per shape.
+every round of a training run.
 Prints a table last and writes `benchmarks/results/bench_rollout_<device>.json` after every measurement.
 """
 
@@ -26,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import importlib
 import math
 import re
 import traceback
@@ -45,16 +43,16 @@ from workload import (
     with_lora,
 )
 
-from trl_dapo.rollout import SamplingSettings
+from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
 
-ENGINES = ("paged", "static", "hf")  # in the default run order (--engines)
-# HF generate is far too slow for the long shapes; the static engine runs where it fits in memory and time.
+ENGINES = ("paged", "hf")  # in the default run order (--engines)
+# HF generate is far too slow for the long shapes.
 DEFAULT_ENGINES = {
     "128x256-fixed": ENGINES,
     "128x1024": ENGINES,
-    "128x4096": ("paged", "static"),
-    "128x8192": ("paged", "static"),
-    "1024x2048": ("paged", "static"),
+    "128x4096": ("paged",),
+    "128x8192": ("paged",),
+    "1024x2048": ("paged",),
     "1024x8192": ("paged",),
     "8192x8192": ("paged",),
     "512x8192p2048": ("paged",),
@@ -114,22 +112,7 @@ def hf_generate(model, dtype, cuda: bool, args):
     return generate
 
 
-def static_generate(model, dtype, cuda: bool, args):
-    from trl_dapo.rollout import StaticRolloutEngine
-
-    engine = StaticRolloutEngine(
-        model, eos_token_ids=[EOS_TOKEN_ID], pad_token_id=PAD_TOKEN_ID, dtype=dtype, cuda_graph=cuda
-    )
-
-    def generate(prompt_ids: list[list[int]], settings: SamplingSettings):
-        return engine.generate(prompt_ids, settings)[0], None
-
-    return generate
-
-
 def paged_generate(model, dtype, cuda: bool, args):
-    from trl_dapo.rollout.paged_engine import PagedRolloutEngine
-
     engine = PagedRolloutEngine(
         model, eos_token_ids=[EOS_TOKEN_ID], pad_token_id=PAD_TOKEN_ID, dtype=dtype, cuda_graph=cuda,
         memory_fraction=args.memory_fraction, max_rows=args.max_rows,
@@ -143,21 +126,7 @@ def paged_generate(model, dtype, cuda: bool, args):
     return generate
 
 
-BUILDERS = {"hf": hf_generate, "static": static_generate, "paged": paged_generate}
-ENGINE_MODULES = {"static": ("trl_dapo.rollout", "StaticRolloutEngine"), "paged": ("trl_dapo.rollout.paged_engine", "PagedRolloutEngine")}  # fmt: skip
-
-
-def available(engine: str) -> bool:
-    """Whether the engine exists in this checkout (the static one goes when the paged one replaces it)."""
-    if engine not in ENGINE_MODULES:
-        return True
-    module, name = ENGINE_MODULES[engine]
-    try:
-        return hasattr(importlib.import_module(module), name)
-    except ModuleNotFoundError as error:
-        if error.name != module:
-            raise
-        return False
+BUILDERS = {"hf": hf_generate, "paged": paged_generate}
 
 
 # ----------------------------------------------------------------------------------------------- measurement
@@ -170,14 +139,11 @@ def release_memory() -> None:
 
 
 def warmup_calls(engine: str, prompt_ids, settings: SamplingSettings, args) -> list[tuple]:
-    """The calls that compile and capture before the measured one. The static engine captures per (rows, length)
-    shape: the same settings on up to `--warmup-rows` rows. The paged engine compiles once per process but its
+    """The calls that compile and capture before the measured one. The paged engine compiles once per process but its
     Triton kernels have a variant per slot bucket (the split count) and its graphs are captured per bucket and
     settings: one short call per bucket up to `--warmup-rows` (the shape's prompts repeated, its settings but at most
     PAGED_WARMUP_TOKENS tokens) meets every bucket a measured call can use, as a training run's first rounds do; the
     graphs a measured call captures for its own pool still count in it. HF: a few tokens on all rows."""
-    if engine == "static":
-        return [(prompt_ids[: args.warmup_rows], settings)]
     if engine == "hf":
         short = dataclasses.replace(
             settings,
@@ -241,8 +207,7 @@ def measure(engine: str, generate, prompt_ids, settings, setup: dict, args) -> d
 def run_engine(engine: str, model, shapes: list[Shape], setup: dict, args, record: dict, save) -> int:
     """Measure `engine` on each shape, `save` each result (`record` + the measurement); return the failures. The
     paged engine is built once and serves every shape, as it serves every round of a training run (its KV pool is
-    sized by the budget, not by the shape); the static engine is built afresh per shape, since its buffers are sized
-    for the last shape and a reused engine would still hold them while allocating the next."""
+    sized by the budget, not by the shape); HF `generate`, which has nothing to build, is warmed up per shape."""
     cuda, failures, reusable = setup["device"] == "cuda", 0, None
     for shape in shapes:
         prompt_ids = token_prompts(shape.rows, shape.prompt_tokens, model.config.vocab_size)
@@ -334,7 +299,7 @@ def main() -> None:
     parser.add_argument("--engines", nargs="*", choices=ENGINES, default=list(ENGINES), help="run order, and filter")
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="paged engine: device memory budget")
     parser.add_argument("--max-rows", type=int, default=1024, help="paged engine: decode slots")
-    parser.add_argument("--warmup-rows", type=int, default=1024, help="rows of the engines' warm-up call")
+    parser.add_argument("--warmup-rows", type=int, default=1024, help="rows of the paged engine's warm-up calls")
     parser.add_argument("--repeats", type=int, default=1, help="measured calls per shape and engine (median reported)")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
@@ -344,12 +309,9 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if device == "cuda":  # each static engine (one per shape) compiles its decode step: past the default limit of
-        # 8 recompilations of the same code, later ones would run eagerly
+    if device == "cuda":  # one paged engine per model, each compiling its layer and sampling head for its sizes and
+        # settings: past the default limit of 8 recompilations of the same code, later ones would run eagerly
         torch._dynamo.config.recompile_limit = 64
-    engines = [engine for engine in args.engines if available(engine)]
-    for engine in sorted(set(args.engines) - set(engines)):
-        print(f"note: the {engine} engine does not exist in this checkout; skipped", flush=True)
     settings = {**vars(args), "shapes": [s.name for s in shapes], "device": device, "dtype": dtype}
     output = ResultFile(args.output or default_output("bench_rollout", args.tiny, device), device, settings)
     output.data["copy_bytes_per_s"] = bandwidth = copy_bandwidth(device)
@@ -370,7 +332,7 @@ def main() -> None:
             "kv_bytes_per_token": kv_bytes_per_token(model.config, dtype.itemsize),
         }
         setup = {"device": device, "dtype": dtype, "copy_bytes_per_s": bandwidth, **sizes}
-        for engine in engines:
+        for engine in args.engines:
             runs = [shape for shape in model_shapes if engine in shape.engines]
             failures += run_engine(engine, model, runs, setup, args, record={"model": label}, save=save)
         del model

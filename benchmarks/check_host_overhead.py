@@ -1,12 +1,12 @@
-"""Does generating with the static engine slow the eager training step that follows it?
+"""Does generating with the rollout engine slow the eager training step that follows it?
 
     python benchmarks/check_host_overhead.py --model qwen2.5-0.5b
 
 A small-model training step is bound by the host launching kernels, so anything that makes the host slower (busy
 background processes, a changed thread affinity) shows up as a slower step. This measures, in one process, the host
-cost of a kernel launch and of one training forward + backward: fresh, after generating with the engine as a CUDA
-graph of eager kernels, after generating with the compiled decode step, after the compile workers are shut down
-and with the garbage collector's existing objects frozen.
+cost of a kernel launch and of one training forward + backward: fresh, after generating with the paged engine's
+decode steps as CUDA graphs of eager kernels, after generating with its compiled layer and sampling head, after the
+compile workers are shut down and with the garbage collector's existing objects frozen.
 Prints a table last and writes `benchmarks/results/check_host_overhead.json` (or `--output`).
 """
 
@@ -24,7 +24,7 @@ import torch
 from timing import synchronize
 from workload import HERE, config_path, random_model
 
-from trl_dapo.rollout import SamplingSettings, StaticRolloutEngine
+from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
 
 
 def launch_us(device: str, launches: int = 20_000) -> float:
@@ -98,7 +98,7 @@ def main() -> None:
     measure("fresh")
     measure("fresh, again")  # the drift between two identical measurements
     for label, compile_decode in (("after graph engine", False), ("after compiled engine", True)):
-        engine = StaticRolloutEngine(
+        engine = PagedRolloutEngine(
             model, eos_token_ids=[2], pad_token_id=0, dtype=model.dtype, cuda_graph=device == "cuda",
             compile_decode=compile_decode,
         )  # fmt: skip

@@ -64,7 +64,7 @@ def main() -> None:
     else:  # every completion exactly --new-tokens long; a constant-length reward would filter every group
         rollout = {}
         generation = dict(
-            rollout_engine="static" if args.generation == "engine" else "trl",
+            rollout_engine="paged" if args.generation == "engine" else "trl",
             generation_kwargs={"min_new_tokens": args.new_tokens},
             dynamic_sampling=False,
             overlong_buffer_len=0,

@@ -98,7 +98,7 @@ def uninformative_reward(fraction: float):
 def decode_weight_bytes(model, bytes_per_value: int = 2) -> int:
     """Bytes of the weights one decode step reads: every parameter but the input embedding table (a step gathers a
     row per sequence from it), the output projection included (the same tensor when tied). LoRA adapters are left
-    out: the engines decode with them merged."""
+    out: the engine decodes with them merged."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     embedding = base.get_input_embeddings().weight
     tied = embedding is base.get_output_embeddings().weight

@@ -19,30 +19,32 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from trl_dapo.rollout import SamplingSettings, StaticRolloutEngine
+from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
 from trl_dapo.rollout.sharded import FullyShardGather
 
 PROMPTS = [[5 + (7 * row + 3 * column) % 300 for column in range(3 + row)] for row in range(6)]  # uneven lengths
 SETTINGS = {"greedy": SamplingSettings(10, greedy=True), "sampled": SamplingSettings(10, temperature=0.9, top_k=50)}
 
 
-def engine(model, **options) -> StaticRolloutEngine:
-    return StaticRolloutEngine(
+def engine(model, **options) -> PagedRolloutEngine:
+    return PagedRolloutEngine(
         model, eos_token_ids=[2], pad_token_id=0, dtype=torch.float32, cuda_graph=False, device="cpu", **options
     )
 
 
-def generations(rollout: StaticRolloutEngine) -> dict:
+def generations(rollout: PagedRolloutEngine) -> dict[str, tuple[list[list[int]], torch.Tensor]]:
+    """Completions and logprobs for each of SETTINGS."""
     out = {}
     for name, settings in SETTINGS.items():
         torch.manual_seed(1)  # the same sampling noise on both sides
-        out[name] = rollout.generate(PROMPTS, settings)
+        generated = rollout.generate(PROMPTS, settings)
+        out[name] = (generated.completions, generated.logprobs)
     return out
 
 
-def weights(rollout: StaticRolloutEngine) -> dict[str, torch.Tensor]:
+def weights(rollout: PagedRolloutEngine) -> dict[str, torch.Tensor]:
     """A copy of the snapshot (an unsharded fp32 one aliases the model's parameters, which the step moves)."""
-    return {name: tensor.clone() for name, tensor in rollout.weights.items()}
+    return {name: tensor.clone() for name, tensor in rollout.snapshot.tensors.items()}
 
 
 def shard(model, layout: str, accelerator: Accelerator):
@@ -74,14 +76,14 @@ def run(layout: str, model_path: str, accelerator: Accelerator) -> dict:
     model.eval()
     reference = copy.deepcopy(model)
     rollout = engine(model, gather=FullyShardGather(model))  # before sharding, as in DAPOTrainer.__init__
-    tensors_before = dict(rollout.weights)
+    tensors_before = dict(rollout.snapshot.tensors)
     model = shard(model, layout.removesuffix("_lora"), accelerator)
     shards = {name: p.to_local().numel() / p.numel() for name, p in model.named_parameters() if isinstance(p, DTensor)}
     rollout.sync_weights(model)
     result = {
         "shard_fractions": shards,
         "parameters": sum(1 for _ in model.parameters()),
-        "in_place": all(rollout.weights[name] is tensor for name, tensor in tensors_before.items()),
+        "in_place": all(rollout.snapshot.tensors[name] is tensor for name, tensor in tensors_before.items()),
         "sharded": generations(rollout),
         "unsharded": generations(engine(reference)),
         "snapshot": weights(rollout),

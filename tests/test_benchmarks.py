@@ -1,6 +1,5 @@
 """The benchmarks run end to end on the CPU (smoke runs, not timings) and count what they report correctly."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -86,28 +85,29 @@ def test_bench_sampling_tiny_runs_each_mode(tmp_path):
 
 
 def test_bench_rollout_tiny_counts_tokens_and_bandwidth_floor(tmp_path):
-    stdout, results = run_tiny("bench_rollout", tmp_path, "--shapes", "32x16p8-fixed", "16x96p8", "16x8p8-fixed-lora")
-    engines = {"hf", "static"} | ({"paged"} if importlib.util.find_spec("trl_dapo.rollout.paged_engine") else set())
+    shapes = ("32x16p8-fixed", "16x96p8", "16x8p8-fixed-lora")
+    stdout, results = run_tiny("bench_rollout", tmp_path, "--shapes", *shapes)
     by_shape = {}
     for r in results["results"]:
         assert "error" not in r, r
         by_shape.setdefault(r["shape"], {})[r["engine"]] = r
-    assert {shape: set(runs) for shape, runs in by_shape.items()} == dict.fromkeys(by_shape, engines)
-    assert "| tiny | 32x16p8-fixed | static |" in stdout
+    assert {shape: set(runs) for shape, runs in by_shape.items()} == {shape: {"hf", "paged"} for shape in shapes}
+    assert "| tiny | 32x16p8-fixed | paged |" in stdout and "| tiny | 32x16p8-fixed | hf |" in stdout
     weight_bytes = TINY_PARAMETERS * 4  # float32; the tied embedding read once, as the output projection
     for shape, rows, new, prompt in (("32x16p8-fixed", 32, 16, 8), ("16x8p8-fixed-lora", 16, 8, 8)):
         # pinned lengths: every row decodes `new` tokens, none of the decode work is on finished rows, and the floor
         # reads the weights `new` times (LoRA merged) plus each row's prompt + t keys/values at its step t
         floor = new * weight_bytes + rows * (new * prompt + new * (new - 1) // 2) * TINY_KV_BYTES_PER_TOKEN
         for r in by_shape[shape].values():
-            assert r["useful_tokens"] == rows * new and r["lengths"]["min"] == new
-            if r["engine"] != "paged":  # the paged engine reports its own decode steps and slot use
-                assert r["decode_steps"] == new and r["finished_row_share"] == 0 and r["floor_bytes"] == floor
-    for r in by_shape["16x96p8"].values():  # unpinned: rows end at their first EOS, up to 96 tokens
-        assert r["lengths"]["max"] <= 96
-        if r["engine"] != "paged":  # every row decodes until the longest ends
-            assert r["decode_steps"] == r["lengths"]["max"]
-            assert 0 < r["finished_row_share"] == 1 - r["useful_tokens"] / (16 * r["decode_steps"])
+            assert r["useful_tokens"] == rows * new and r["lengths"]["min"] == new and r["finished_row_share"] == 0
+        assert by_shape[shape]["hf"]["decode_steps"] == new and by_shape[shape]["hf"]["floor_bytes"] == floor
+        # the paged engine samples each row's first token from its prefill, then decodes all rows at once
+        paged = by_shape[shape]["paged"]
+        assert paged["decode_steps"] == new - 1 and paged["floor_bytes"] == floor - weight_bytes
+    assert all(r["lengths"]["max"] <= 96 for r in by_shape["16x96p8"].values())  # unpinned: rows end at an EOS
+    hf = by_shape["16x96p8"]["hf"]  # every row decodes until the longest ends
+    assert hf["decode_steps"] == hf["lengths"]["max"]
+    assert 0 < hf["finished_row_share"] == 1 - hf["useful_tokens"] / (16 * hf["decode_steps"])
     assert all(r["bandwidth_use"] > 0 for runs in by_shape.values() for r in runs.values())
 
 

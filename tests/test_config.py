@@ -109,7 +109,6 @@ def test_oversample_accepts_auto_and_numbers():
         (dict(old_logprobs="training"), "old_logprobs="),
         (dict(dynamic_sampling_mode="streaming"), "dynamic_sampling_mode="),
         (dict(dynamic_sampling_mode="stream", rollout_engine="trl"), "dynamic_sampling_mode='stream'"),
-        (dict(dynamic_sampling_mode="stream", rollout_engine="static"), "dynamic_sampling_mode='stream'"),
         (dict(dynamic_sampling_mode="stream", dynamic_sampling=False), "dynamic_sampling_mode='stream'"),
         (
             dict(dynamic_sampling_mode="stream", dynamic_sampling_oversample="auto"),
@@ -146,6 +145,21 @@ def test_a_rollout_correction_needs_the_recomputed_old_policy():
         2.0,
         0.5,
     )
+
+
+def test_the_rollout_engine_choices_are_auto_paged_and_trl():
+    """The removed static engine's name is refused, with the choices left, by the config and by its CLI parser."""
+    with pytest.raises(
+        ValueError, match=r"^DAPOConfig.rollout_engine='static' is invalid: use one of \('auto', 'paged', 'trl'\)\.$"
+    ):
+        make(rollout_engine="static")
+    assert [make(rollout_engine=choice).rollout_engine for choice in ("auto", "paged", "trl")] == [
+        "auto",
+        "paged",
+        "trl",
+    ]
+    (field,) = [f for f in dataclasses.fields(DAPOConfig) if f.name == "rollout_engine"]
+    assert field.metadata["choices"] == ("auto", "paged", "trl")
 
 
 @pytest.mark.parametrize("threshold", [dict(rollout_correction_max=5.0), dict(rollout_correction_min=0.5)])

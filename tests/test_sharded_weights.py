@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers import launch_worker
-from trl_dapo.rollout import StaticRolloutEngine
+from trl_dapo.rollout import PagedRolloutEngine
 
 LAYOUTS = ["accelerate", "layers_and_root", "accelerate_lora"]
 
@@ -64,7 +64,7 @@ def test_a_snapshot_of_a_model_without_weights_is_filled_by_the_first_sync(tiny_
     with torch.device("meta"):
         empty = AutoModelForCausalLM.from_config(model.config)
     options = dict(eos_token_ids=[2], pad_token_id=0, dtype=torch.float32, cuda_graph=False, device="cpu")
-    rollout = StaticRolloutEngine(empty, **options)
-    assert all(tensor.device.type == "cpu" for tensor in rollout.weights.values())
+    rollout = PagedRolloutEngine(empty, **options)
+    assert all(tensor.device.type == "cpu" for tensor in rollout.snapshot.tensors.values())
     rollout.sync_weights(model)
-    assert_same_tensors(rollout.weights, StaticRolloutEngine(model, **options).weights)
+    assert_same_tensors(rollout.snapshot.tensors, PagedRolloutEngine(model, **options).snapshot.tensors)

@@ -1,6 +1,6 @@
 """The study's model: a character tokenizer and a Qwen2 built from scratch, then a short supervised warm start.
 
-Qwen2 is one of the architectures the package's rollout engines decode, so the paged-engine variant serves the same
+Qwen2 is one of the architectures the package's rollout engine decodes, so the paged-engine variant serves the same
 model as the rest. The warm start trains on worked solutions of fresh problems (never a held-out one) and stops at
 the first check whose greedy accuracy on a probe set reaches the target: every seed starts RL from a comparable,
 moderately right model, whatever the device's speed.

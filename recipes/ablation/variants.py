@@ -79,7 +79,7 @@ class Variant:
 
     def __post_init__(self) -> None:
         if (self.dynamic_sampling or self.rollout_engine != "trl") and not self.token_level:
-            raise ValueError(f"variant {self.name}: dynamic sampling and the rollout engines need DAPOTrainer.")
+            raise ValueError(f"variant {self.name}: dynamic sampling and the rollout engine need DAPOTrainer.")
 
 
 def _ladder() -> tuple[Variant, ...]:

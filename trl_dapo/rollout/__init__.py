@@ -1,4 +1,4 @@
-"""Rollout engines: which generation path a DAPOTrainer uses, and the static-cache engine itself."""
+"""The rollout engine: which generation path a DAPOTrainer uses, and the paged engine it builds."""
 
 from __future__ import annotations
 
@@ -9,17 +9,16 @@ import torch
 from .paged_engine import GenerationOutput, PagedRolloutEngine, RolloutStats, RolloutStream
 from .sampling import SamplingSettings
 from .sharded import is_zero3, parameter_gather
-from .static_engine import StaticRolloutEngine
 from .weights import SUPPORTED_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
-# generation_kwargs the static engine honours; any other key sends generation back to TRL's path.
+# generation_kwargs the engine honours; any other key sends generation back to TRL's path.
 SUPPORTED_GENERATION_KWARGS = {"min_new_tokens", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k"}
 
 
 def sampling_settings(args) -> SamplingSettings:
-    """The engines' sampling settings from a `DAPOConfig`; the head's logits take the precision the training forward's
+    """The engine's sampling settings from a `DAPOConfig`; the head's logits take the precision the training forward's
     do (`cast_lm_head_to_fp32`), so the two compute the same logprobs up to the layers' rounding."""
     kwargs = args.generation_kwargs or {}
     return SamplingSettings(
@@ -33,8 +32,8 @@ def sampling_settings(args) -> SamplingSettings:
     )
 
 
-def static_engine_blocker(trainer) -> str | None:
-    """Why the static engine cannot serve this trainer, or None when it can."""
+def why_engine_cannot_serve(trainer) -> str | None:
+    """Why the rollout engine cannot serve this trainer's set-up, or None when it can."""
     args = trainer.args
     model = trainer.accelerator.unwrap_model(trainer.model)
     config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
@@ -72,7 +71,7 @@ def _sliding_window(config) -> int | None:
     return window if window < (getattr(config, "max_position_embeddings", None) or window + 1) else None
 
 
-def select_rollout_engine(trainer) -> PagedRolloutEngine | StaticRolloutEngine | None:
+def select_rollout_engine(trainer) -> PagedRolloutEngine | None:
     """The engine `rollout_engine` asks for ("auto": the paged engine on CUDA) when the set-up allows, else None."""
     choice = trainer.args.rollout_engine
     if choice == "trl":
@@ -81,29 +80,23 @@ def select_rollout_engine(trainer) -> PagedRolloutEngine | StaticRolloutEngine |
     if choice == "auto" and not on_cuda:
         logger.info("rollout_engine='auto': no CUDA device, using TRL's generation path.")
         return None
-    blocker = static_engine_blocker(trainer)
-    if blocker is not None:
+    reason = why_engine_cannot_serve(trainer)
+    if reason is not None:
         if choice != "auto":
-            raise ValueError(f"DAPOConfig.rollout_engine={choice!r} cannot be used here: {blocker}.")
-        logger.warning("rollout_engine='auto' falls back to TRL's generation path: %s.", blocker)
+            raise ValueError(f"DAPOConfig.rollout_engine={choice!r} cannot be used here: {reason}.")
+        logger.warning("rollout_engine='auto' falls back to TRL's generation path: %s.", reason)
         return None
-    common = dict(
+    return PagedRolloutEngine(
+        trainer.accelerator.unwrap_model(trainer.model),
         eos_token_ids=trainer.eos_token_ids,
         pad_token_id=trainer._tokenizer.pad_token_id,
         dtype=torch.bfloat16 if on_cuda else torch.float32,
         cuda_graph=on_cuda,
-        device=trainer.accelerator.device,
-        gather=parameter_gather(trainer),
-    )
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    if choice == "static":
-        return StaticRolloutEngine(model, **common)
-    return PagedRolloutEngine(
-        model,
         memory_fraction=trainer.args.rollout_memory_fraction,
         max_rows=trainer.args.rollout_max_rows,
         show_progress=trainer.accelerator.is_main_process and not trainer.args.disable_tqdm,
-        **common,
+        device=trainer.accelerator.device,
+        gather=parameter_gather(trainer),
     )
 
 
@@ -113,7 +106,6 @@ __all__ = [
     "RolloutStats",
     "RolloutStream",
     "SamplingSettings",
-    "StaticRolloutEngine",
     "sampling_settings",
     "select_rollout_engine",
 ]

@@ -13,7 +13,7 @@ from .grpo_fields import unhonoured_settings
 from .mismatch import CORRECTION_MODES
 
 ON_LIMIT_CHOICES = ("raise", "train_on_partial")
-ROLLOUT_ENGINES = ("auto", "paged", "static", "trl")
+ROLLOUT_ENGINES = ("auto", "paged", "trl")
 OLD_LOGPROBS_CHOICES = ("rollout", "recompute")
 SAMPLING_MODES = ("rounds", "stream")
 IN_FLIGHT_CHOICES = ("finish", "drop", "carry")
@@ -138,9 +138,9 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             Size of the overlong penalty at `max_completion_length`.
         rollout_engine (`str`, *optional*, defaults to `"auto"`):
             Generation path. `"paged"`: trl-dapo's continuous-batching engine over a paged KV cache (bf16 weight
-            snapshot, CUDA-graph decode steps on CUDA), which returns the sampled tokens' logprobs; `"static"`: the
-            earlier static-KV-cache engine; `"trl"`: TRL's own path (`generate`, vLLM, continuous batching);
-            `"auto"`: `"paged"` on CUDA when the model type and set-up allow it, else TRL's, logging why.
+            snapshot, CUDA-graph decode steps on CUDA), which returns the sampled tokens' logprobs; `"trl"`: TRL's
+            own path (`generate`, vLLM, continuous batching); `"auto"`: `"paged"` on CUDA when the model type and
+            set-up allow it, else TRL's, logging why.
         rollout_memory_fraction (`float`, *optional*, defaults to `0.85`):
             Share of the device's memory the process may hold while the engine generates: weights, optimizer state,
             weight snapshot, KV cache and workspace together. The KV cache takes what is left under it (rows wait or
@@ -226,7 +226,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     )
     overlong_penalty_factor: float = field(default=1.0, metadata={"help": "Overlong penalty at the max length."})
     rollout_engine: str = field(
-        default="auto", metadata={"help": "'auto', 'paged', 'static' or 'trl'.", "choices": ROLLOUT_ENGINES}
+        default="auto", metadata={"help": "'auto', 'paged' or 'trl'.", "choices": ROLLOUT_ENGINES}
     )
     rollout_memory_fraction: float = field(
         default=0.85, metadata={"help": "Share of device memory the process may hold while the engine generates."}
@@ -405,7 +405,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 "it sizes candidate rounds, which stream mode does not have (it admits groups from the running "
                 "efficiency as slots free): leave it at '1.0', or use dynamic_sampling_mode='rounds'.",
             )
-        if self.rollout_engine in ("trl", "static") or self.use_vllm:
+        if self.rollout_engine == "trl" or self.use_vllm:
             engine = "use_vllm=True" if self.use_vllm else f"rollout_engine={self.rollout_engine!r}"
             raise _bad(
                 "dynamic_sampling_mode",

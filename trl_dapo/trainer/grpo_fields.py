@@ -30,7 +30,7 @@ HONOURED_FIELDS = frozenset(
         "num_iterations",
         "shuffle_dataset",
         "pad_to_multiple_of",
-        # generation (TRL's paths, or the static engine, which falls back to them for what it cannot do)
+        # generation (TRL's paths, or the rollout engine, which falls back to them for what it cannot do)
         "max_completion_length",
         "ds3_gather_for_generation",
         "temperature",

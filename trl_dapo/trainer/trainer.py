@@ -7,8 +7,8 @@ Hooks overridden, and why:
 - `_generate_and_score_completions`: wraps TRL's (never copies it): one call per candidate round, rollout logprobs
   recorded, the global view filtered by the dynamic-sampling buffer, whole groups re-sharded to the ranks, and with
   `old_logprobs="recompute"` the old policy recomputed where no pass has computed it yet.
-- `_generate_single_turn`: routes training generation to trl-dapo's engine when it applies; in stream mode, hands
-  back the completions the stream generated.
+- `_generate_single_turn`: routes training generation to the paged rollout engine when it applies; in stream mode,
+  hands back the completions the stream generated.
 - `_prepare_inputs`: splits a generation batch into micro-batches and gives each the global token count of its own
   optimizer step (TRL divides by the generation batch's average instead).
 - `_compute_loss`: the DAPO loss of `loss.py` against the old policy (the rollout logprobs, or the training model's
@@ -244,13 +244,10 @@ class DAPOTrainer(GRPOTrainer):
             self.rollout_engine.sync_weights(self.accelerator.unwrap_model(self.model))
             self._engine_weights_step = self.state.global_step
         output = self.rollout_engine.generate(prompt_ids, sampling_settings(self.args))
-        completions, logprobs = output[0], output[1]
         # The logprobs stay on the device for `_rollout_logprobs`: as Python lists TRL would rebuild them row by row.
-        self._engine_logprobs.put(logprobs)
-        stats = getattr(output, "stats", None)
-        if stats is not None and hasattr(stats, "pool_slot_steps"):
-            self._engine_slots.put((stats.busy_slot_steps, stats.pool_slot_steps))
-        return completions, None
+        self._engine_logprobs.put(output.logprobs)
+        self._engine_slots.put((output.stats.busy_slot_steps, output.stats.pool_slot_steps))
+        return output.completions, None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         streamed = self._streamed_rewards.take_if_any()
@@ -551,7 +548,7 @@ class DAPOTrainer(GRPOTrainer):
     def _rollout_logprobs(self, output: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(sampled, recomputed)` for a round's completions. `sampled`: the logprobs of the sampled tokens under the
         policy that sampled them, the old policy of every later ratio unless `old_logprobs="recompute"`; from the
-        generation engine when it returns them (vLLM, a `rollout_func`, trl-dapo's engines), otherwise one no-grad
+        generation engine when it returns them (vLLM, a `rollout_func`, trl-dapo's engine), otherwise one no-grad
         forward pass now, before any optimizer step changes the weights. `recomputed`: the training model's own
         logprobs of them under the current weights when a pass has computed them (TRL's, which it runs when steps are
         misaligned with generation, or that no-grad pass), else None.
