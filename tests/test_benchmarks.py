@@ -111,6 +111,24 @@ def test_bench_rollout_tiny_counts_tokens_and_bandwidth_floor(tmp_path):
     assert all(r["bandwidth_use"] > 0 for runs in by_shape.values() for r in runs.values())
 
 
+def test_profile_decode_tiny_counts_steps_and_the_products_bytes(tmp_path):
+    _, results = run_tiny("profile_decode", tmp_path, "--models", "tiny@16x12", "--calls", "2")
+    run = results["models"]["tiny"]
+    assert "error" not in run, run
+    # pinned lengths: the engine samples each row's first token from its prefill, then decodes 11 steps
+    assert [call["decode_steps"] for call in run["calls"]] == [11, 11]
+    # per layer q/k/v (64 + 2 * 32 rows) x 64, o 64 x 64, gate/up 256 x 64, down 64 x 128; the tied head 366 x 64;
+    # float32; the parameters less biases and norms (2 x 128 + 2 x 128 + 64)
+    products = 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) + 366 * 64
+    assert products == TINY_PARAMETERS - 2 * 128 - 2 * 128 - 64
+    assert run["matrix_products"]["all"]["weight_bytes"] == products * 4
+    profile = run["eager_profile"]
+    times = [row["us_per_step"] for row in profile["top"]]
+    assert (
+        profile["calls_per_step"] > 0 and times == sorted(times, reverse=True) and sum(times) <= profile["us_per_step"]
+    )
+
+
 def test_multi_gpu_bench_on_cpu_processes_matches_one_rank(tmp_path):
     output = tmp_path / "multi.json"
     command = [
