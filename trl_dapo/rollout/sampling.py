@@ -54,12 +54,10 @@ def pick_tokens(
     if settings.min_new_tokens:
         blocked = (generated < settings.min_new_tokens).float() * -1e9
         logits[:, eos] += blocked.reshape(-1, 1) if blocked.dim() else blocked
+    candidates = logits
     if noise is not None:
         logits = logits / settings.temperature
-    candidates = logits
-    if noise is not None and (settings.top_k or settings.top_p < 1.0):
-        candidates = truncate(logits, settings)
-    if noise is not None:
+        candidates = truncate(logits, settings) if settings.top_k or settings.top_p < 1.0 else logits
         candidates = candidates - torch.log(-torch.log(noise.clamp(1e-10, 1.0)))
     token = chunked_argmax(candidates)
     return token, logits.gather(1, token[:, None]).squeeze(1) - chunked_logsumexp(logits)
