@@ -72,6 +72,7 @@ def sampling_cost(
         "qualified_groups_per_step": mean("dapo/qualified_groups"),
         "time_per_trained_group_s": result["step_s"] / trained,
         "generated_tokens_per_step": mean("dapo/generated_tokens"),
+        "prefill_tokens_per_step": mean("dapo/prefill_tokens"),
         "untrained_token_share": share("dapo/untrained_tokens"),
         "surplus_token_share": share("dapo/surplus_tokens"),
         # busy over all decode slot-steps of the measured steps (each step's share weighted by its slot-steps is the

@@ -82,6 +82,25 @@ def test_stream_keeps_the_first_informative_groups_in_prompt_order(tiny_model, t
     assert metrics["dapo/sampling_efficiency"] == 0.25 and metrics["dapo/slot_occupancy"] == 1.0
     assert metrics["dapo/generated_tokens"] == 16 * 4 * 8 and metrics["dapo/untrained_tokens"] == 0
     assert metrics["dapo/surplus_groups"] == 0 and metrics["dapo/partial_batch"] == 0
+    # each of the 16 groups' prompts prefilled once (its 4 rows share the pages), nothing preempted or resumed
+    ids = trainer._tokenize_prompts([row["prompt"] for row in trainer.train_dataset])[0]
+    assert metrics["dapo/prefill_tokens"] == sum(len(ids[i]) for i in order[:16])
+
+
+def test_rounds_count_the_prompts_the_engine_prefilled(tiny_model, tmp_path):
+    """Rounds mode draws the same prompts in the same order (the dataloader's, then the extra stream) and logs the
+    same engine counts: each generated group's prompt prefilled once."""
+    trainer = stream_trainer(tiny_model, tmp_path, dynamic_sampling_mode="rounds")
+    trainer.train()
+    ((dataloader, _, _),) = trainer.record
+    extra = torch.randperm(PROMPTS, generator=torch.Generator().manual_seed(trainer.args.seed + 1)).tolist()
+    metrics = next(h for h in trainer.state.log_history if "dapo/generated_groups" in h)
+    generated = int(metrics["dapo/generated_groups"])
+    assert metrics["dapo/gen_batches"] > 1 and generated > TARGET_GROUPS
+    ids = trainer._tokenize_prompts([row["prompt"] for row in trainer.train_dataset])[0]
+    drawn = (dataloader[::4] + extra)[:generated]
+    assert metrics["dapo/prefill_tokens"] == sum(len(ids[i]) for i in drawn)
+    assert 0 < metrics["dapo/slot_occupancy"] <= 1
 
 
 class ScriptedStream:
@@ -122,7 +141,10 @@ class ScriptedStream:
 
     def close(self):
         return SimpleNamespace(
-            generated_tokens=sum(self.generated), busy_slot_steps=self.busy, pool_slot_steps=self.steps * self.slots
+            generated_tokens=sum(self.generated),
+            busy_slot_steps=self.busy,
+            pool_slot_steps=self.steps * self.slots,
+            prefill_tokens=0,
         )
 
 

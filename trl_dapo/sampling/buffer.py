@@ -54,14 +54,20 @@ class SamplingStats:
     surplus_tokens: int = 0  # of this batch's qualified groups, kept for a later batch
     busy_slot_steps: int = 0  # decode slots busy, summed over decode steps and ranks (the engine's count)
     pool_slot_steps: int = 0  # all decode slots of the engine's calls, likewise (0: no engine of trl-dapo)
+    prefill_tokens: int = 0  # tokens the engine prefilled, likewise: prompts, and carried rows recomputed
 
     def metrics(self) -> dict[str, float]:
         generated = max(self.generated_groups, 1)
-        occupancy = (
-            {"dapo/slot_occupancy": self.busy_slot_steps / self.pool_slot_steps} if self.pool_slot_steps else {}
+        engine = (
+            {
+                "dapo/slot_occupancy": self.busy_slot_steps / self.pool_slot_steps,
+                "dapo/prefill_tokens": self.prefill_tokens,
+            }
+            if self.pool_slot_steps
+            else {}
         )
         return {
-            **occupancy,
+            **engine,
             "dapo/generated_tokens": self.generated_tokens,
             "dapo/filtered_tokens": self.filtered_tokens,
             "dapo/untrained_tokens": self.untrained_tokens,
@@ -213,7 +219,7 @@ class DynamicSamplingBuffer:
             for name in (
                 "generated_groups", "qualified_groups", "filtered_all_correct", "filtered_all_wrong",
                 "solved_prompts", "generated_tokens", "filtered_tokens", "untrained_tokens", "surplus_tokens",
-                "busy_slot_steps", "pool_slot_steps",
+                "busy_slot_steps", "pool_slot_steps", "prefill_tokens",
             ):  # fmt: skip
                 setattr(stats, name, getattr(stats, name) + getattr(counts, name))
             stats.gen_batches = 1

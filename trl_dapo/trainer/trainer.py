@@ -157,7 +157,7 @@ class DAPOTrainer(GRPOTrainer):
         self._round_scores: HandOff[RoundScores] = HandOff("round scores")
         self._streamed: HandOff[StreamedRows] = HandOff("streamed rows")
         self._streamed_rewards: HandOff[torch.Tensor] = HandOff("streamed rewards")
-        self._engine_slots: HandOff[tuple[int, int]] = HandOff("engine slot counts")
+        self._engine_counts: HandOff[tuple[int, int, int]] = HandOff("engine counts")
         if args.dynamic_sampling_mode == "stream":
             self._check_stream_set_up()
         self._trained_batch_metric_names = trained_batch_metric_names(self.reward_func_names)
@@ -246,7 +246,8 @@ class DAPOTrainer(GRPOTrainer):
         output = self.rollout_engine.generate(prompt_ids, sampling_settings(self.args))
         # The logprobs stay on the device for `_rollout_logprobs`: as Python lists TRL would rebuild them row by row.
         self._engine_logprobs.put(output.logprobs)
-        self._engine_slots.put((output.stats.busy_slot_steps, output.stats.pool_slot_steps))
+        stats = output.stats
+        self._engine_counts.put((stats.busy_slot_steps, stats.pool_slot_steps, stats.prefill_tokens))
         return output.completions, None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -290,16 +291,16 @@ class DAPOTrainer(GRPOTrainer):
                 group_multiple=group_multiple,
             )
         else:
-            slots = torch.zeros(2, dtype=torch.long)  # busy and all decode slot-steps of the engine's calls
+            counts = torch.zeros(3, dtype=torch.long)  # the engine's busy and all decode slot-steps, prefilled tokens
 
             def generate_round(groups: int, round_index: int) -> tuple[RolloutBatch, torch.Tensor]:
                 rows = gather_object(inputs) if round_index == 0 else []  # the first round is the dataloader's batch
                 rows += self._stream_rows(groups - len(rows) // self.num_generations)
                 share = len(rows) // world
-                batch, metric, round_slots = self._rollout_round(
+                batch, metric, round_counts = self._rollout_round(
                     rows[rank * share : (rank + 1) * share], trained_as_generated=False
                 )
-                slots.add_(torch.tensor(round_slots))
+                counts.add_(torch.tensor(round_counts))
                 return batch, metric
 
             with _RoundProgress(enabled=self.accelerator.is_main_process and not self.args.disable_tqdm) as progress:
@@ -311,8 +312,8 @@ class DAPOTrainer(GRPOTrainer):
                     dataset_prompts=self.prompt_stream.num_prompts,
                     report=progress,
                 )
-            busy, pool = self.accelerator.reduce(slots.to(self.accelerator.device), reduction="sum").tolist()
-            stats.busy_slot_steps, stats.pool_slot_steps = int(busy), int(pool)
+            busy, pool, prefill = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").tolist()
+            stats.busy_slot_steps, stats.pool_slot_steps, stats.prefill_tokens = int(busy), int(pool), int(prefill)
         self._log_sampling(stats)
         if num_rows(batch):
             self._log_trained_batch(batch)
@@ -379,7 +380,7 @@ class DAPOTrainer(GRPOTrainer):
             "counts": [
                 outcome.generated_groups, outcome.qualified_groups, outcome.filtered_all_correct,
                 outcome.filtered_all_wrong, outcome.solved_prompts, outcome.generated_tokens, outcome.filtered_tokens,
-                outcome.busy_slot_steps, outcome.pool_slot_steps, outcome.carried_tokens, aged_tokens,
+                outcome.busy_slot_steps, outcome.pool_slot_steps, outcome.carried_tokens, aged_tokens, outcome.prefill_tokens,
             ],
         }  # fmt: skip
         everyone = gather_object([shared])
@@ -389,6 +390,7 @@ class DAPOTrainer(GRPOTrainer):
             filtered_all_wrong=int(totals[3]), solved_prompts=float(totals[4]), generated_tokens=int(totals[5]),
             filtered_tokens=int(totals[6]), busy_slot_steps=int(totals[7]), pool_slot_steps=int(totals[8]),
             surplus_tokens=int(totals[9]),  # the carried groups' tokens of this batch, kept for the next
+            prefill_tokens=int(totals[11]),
         )  # fmt: skip
         if not args.max_num_gen_batches and dataset_prompts is not None and not stats.qualified_groups:
             raise DynamicSamplingLimitError(self.sampling_buffer._full_pass_message(stats, dataset_prompts))
@@ -491,9 +493,10 @@ class DAPOTrainer(GRPOTrainer):
 
     def _rollout_round(
         self, local_inputs: list[dict[str, Any]], trained_as_generated: bool
-    ) -> tuple[RolloutBatch, torch.Tensor, tuple[int, int]]:
+    ) -> tuple[RolloutBatch, torch.Tensor, tuple[int, int, int]]:
         """Generate and score one candidate round with TRL; return the checked global batch, its filter metric and
-        this rank's engine slot counts (busy and all decode slot-steps; zeros without trl-dapo's paged engine).
+        this rank's engine counts (busy and all decode slot-steps, prefilled tokens; zeros without trl-dapo's paged
+        engine).
 
         Unless the round is trained as generated (no dynamic sampling), TRL's completion and reward metrics of the
         round are removed: they would describe candidates, and `_log_trained_batch` logs the accepted groups'.
@@ -501,7 +504,7 @@ class DAPOTrainer(GRPOTrainer):
         marks = None if trained_as_generated else self._metric_marks()
         output = super()._generate_and_score_completions(local_inputs)
         scores = self._round_scores.take()
-        slots = self._engine_slots.take_if_any() or (0, 0)
+        counts = self._engine_counts.take_if_any() or (0, 0, 0)
         if marks is not None:
             self._drop_metrics_since(marks)
         unknown = set(output) - set(PADDED_KEYS) - set(ROW_KEYS) - set(DROPPED_KEYS)
@@ -535,7 +538,7 @@ class DAPOTrainer(GRPOTrainer):
         batch["rewards"], batch["truncated"] = scores.rewards, scores.truncated
         batch["completion_lengths"] = self._model_token_counts(batch, scores.completion_lengths)
         self._log_rollout(batch)
-        return batch, self._filter_metric(scores.rewards), slots
+        return batch, self._filter_metric(scores.rewards), counts
 
     @staticmethod
     def _model_token_counts(batch: RolloutBatch, lengths: torch.Tensor) -> torch.Tensor:
