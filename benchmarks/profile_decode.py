@@ -8,8 +8,9 @@ A model is `NAME[:lora]@ROWSxNEW`: the config (`configs/NAME.json`; `:lora` wrap
 the engine merges), ROWS rows of 32-token prompts in groups of 16, NEW tokens pinned. Per model:
 
 - the engine's own calls at that shape (wall s, tokens/s, decode s, ms per decode step), after a short warm-up call;
-- per-kernel device time per decode step, from torch.profiler over one 64-token call replayed as CUDA graphs and
-  over the same call run eagerly (the same compiled code; kernels inside graph replays can go unreported);
+- per-kernel device time per decode step, from torch.profiler over one call of at most 64 tokens (the same settings)
+  replayed as CUDA graphs and over the same call run eagerly (the same compiled code; kernels inside graph replays
+  can go unreported);
 - microbenchmarks at the decode batch: each weight's matrix product (time, TB/s), all of a decode step's matrix
   products in sequence against the copy-bandwidth floor of their bytes, the decode attention at `--context` tokens,
   the sampling head (compiled as the engine runs it) and its noise.
@@ -22,13 +23,14 @@ and writes `benchmarks/results/profile_decode_<device>.json` after each model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import traceback
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from bench_rollout import build_model
+from bench_rollout import build_model, release_memory
 from result_file import ResultFile, default_output, finish
 from timing import copy_bandwidth, timed_call
 from torch.profiler import ProfilerActivity, profile
@@ -36,8 +38,9 @@ from workload import EOS_TOKEN_ID, PAD_TOKEN_ID, token_prompts
 
 from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
 from trl_dapo.rollout.paged_attention import num_splits, reference_decode_attention, triton_decode_attention
+from trl_dapo.rollout.sampling import sampling_noise
 
-PROFILED_TOKENS = 64
+PROFILED_TOKENS = 64  # at most, per row, in the profiled calls
 TOP_KERNELS = 30
 DEFAULT_MODELS = ["qwen2.5-7b:lora@64x512", "qwen2.5-0.5b@128x256"]
 
@@ -53,6 +56,8 @@ def parse_model(text: str) -> tuple[str, bool, int, int]:
     name, _, adapter = spec.partition(":")
     if adapter not in ("", "lora"):
         raise argparse.ArgumentTypeError(f"model {text!r}: the only option after ':' is 'lora'")
+    if rows < 1 or new < 2:
+        raise argparse.ArgumentTypeError(f"model {text!r}: at least 1 row and 2 new tokens (1 decode step)")
     return name, adapter == "lora", rows, new
 
 
@@ -111,7 +116,8 @@ def matrix_products(engine: PagedRolloutEngine, rows: int, bandwidth: float, cud
         result[key] = {"us": seconds * 1e6, "tb_per_s": weight.nbytes / seconds / 1e12, "shape": list(weight.shape)}
     hidden = torch.randn(rows, snapshot.config.hidden_size, device=engine.device, dtype=dtype)
     seconds = seconds_per_call(lambda: F.linear(hidden, snapshot.lm_head), cuda)
-    result["lm_head"] = {"us": seconds * 1e6, "tb_per_s": snapshot.lm_head.nbytes / seconds / 1e12}
+    head = snapshot.lm_head
+    result["lm_head"] = {"us": seconds * 1e6, "tb_per_s": head.nbytes / seconds / 1e12, "shape": list(head.shape)}
     intermediate = layer["down_weight"].size(1)
     inner = torch.randn(rows, intermediate, device=engine.device, dtype=dtype)
 
@@ -157,7 +163,8 @@ def attention_and_head(engine: PagedRolloutEngine, rows: int, context: int, sett
     kv_bytes = rows * context * engine.num_kv_heads * engine.head_dim * 2 * k_cache.element_size()
     seconds = seconds_per_call(attention, cuda)
     hidden = torch.randn(rows, engine.snapshot.config.hidden_size, device=device, dtype=dtype)
-    noise = torch.rand(rows, engine.vocab_size, device=device)
+    draw_noise = lambda: sampling_noise(rows, engine.vocab_size, settings, device)  # noqa: E731
+    noise = draw_noise()
     generated = torch.zeros(rows, dtype=torch.long, device=device)
     head = lambda: engine._pick(hidden, engine.snapshot.lm_head, noise, settings, engine.eos, generated)  # noqa: E731
     return {
@@ -168,7 +175,7 @@ def attention_and_head(engine: PagedRolloutEngine, rows: int, context: int, sett
             "splits": splits,
         },
         "head_us": seconds_per_call(head, cuda) * 1e6,
-        "noise_us": seconds_per_call(lambda: torch.rand(rows, engine.vocab_size, device=device), cuda) * 1e6,
+        "noise_us": seconds_per_call(draw_noise, cuda) * 1e6,
     }
 
 
@@ -182,8 +189,9 @@ def profile_model(name: str, lora: bool, rows: int, new_tokens: int, args, setup
     engine.sync_weights(model)
     prompts = token_prompts(rows, 32, model.config.vocab_size)
     pinned = SamplingSettings(new_tokens, temperature=1.0, min_new_tokens=new_tokens)
-    short = SamplingSettings(PROFILED_TOKENS, temperature=1.0, min_new_tokens=PROFILED_TOKENS)
-    entry: dict = {"rows": rows, "new_tokens": new_tokens}
+    # the measured calls' settings, fewer tokens: what the engine compiles for (all but the length) is the same
+    short = dataclasses.replace(pinned, max_new_tokens=min(PROFILED_TOKENS, new_tokens))
+    entry: dict = {"rows": rows, "new_tokens": new_tokens, "profiled_tokens": short.max_new_tokens}
     entry["warmup_s"] = timed_call(engine.generate, prompts, short)[1]
     entry["calls"] = []
     for _ in range(args.calls):
@@ -192,9 +200,9 @@ def profile_model(name: str, lora: bool, rows: int, new_tokens: int, args, setup
         entry["calls"].append({
             "wall_s": seconds, "tokens_per_s": stats.generated_tokens / seconds, "decode_s": stats.decode_s,
             "prefill_s": stats.prefill_s, "decode_steps": stats.decode_steps,
-            "ms_per_decode_step": 1e3 * stats.decode_s / max(stats.decode_steps, 1),
+            "ms_per_decode_step": 1e3 * stats.decode_s / stats.decode_steps,
         })  # fmt: skip
-    steps = PROFILED_TOKENS - 1  # each row's first token comes from its prefill
+    steps = short.max_new_tokens - 1  # each row's first token comes from its prefill
     if cuda:
         entry["graph_profile"] = kernel_profile(lambda: engine.generate(prompts, short), steps, cuda)
         engine.cuda_graph = False  # the same compiled code, its kernels launched one by one
@@ -240,6 +248,9 @@ def main() -> None:
     models = args.models or [parse_model(m) for m in (["tiny@16x12"] if args.tiny else DEFAULT_MODELS)]
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cuda":  # one engine per model, each compiling its layer and sampling head for its sizes: past the
+        # default limit of 8 recompilations of the same code, later ones would run eagerly
+        torch._dynamo.config.recompile_limit = 64
     output = ResultFile(args.output or default_output("profile_decode", args.tiny, device), device, vars(args))
     output.data["copy_bytes_per_s"] = bandwidth = copy_bandwidth(device)
     results = output.data["models"] = {}
@@ -255,8 +266,7 @@ def main() -> None:
         output.save()
         for row in results[label].get("graph_profile", results[label].get("eager_profile", {})).get("top", [])[:12]:
             print(f"{label}: {row['us_per_step']:9.1f} us x{row['calls_per_step']:5.1f}  {row['name'][:100]}")
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        release_memory()  # the engine and its graphs hold device memory until collected
     finish(table(results), output.path, failures, "model(s)")
 
 

@@ -112,16 +112,19 @@ def test_bench_rollout_tiny_counts_tokens_and_bandwidth_floor(tmp_path):
 
 
 def test_profile_decode_tiny_counts_steps_and_the_products_bytes(tmp_path):
-    _, results = run_tiny("profile_decode", tmp_path, "--models", "tiny@16x12", "--calls", "2")
+    stdout, results = run_tiny("profile_decode", tmp_path, "--models", "tiny@16x12", "--calls", "2", "--context", "32")
     run = results["models"]["tiny"]
     assert "error" not in run, run
+    assert "| tiny | 16x12 |" in stdout
     # pinned lengths: the engine samples each row's first token from its prefill, then decodes 11 steps
     assert [call["decode_steps"] for call in run["calls"]] == [11, 11]
+    assert all(call["ms_per_decode_step"] == 1e3 * call["decode_s"] / 11 for call in run["calls"])
     # per layer q/k/v (64 + 2 * 32 rows) x 64, o 64 x 64, gate/up 256 x 64, down 64 x 128; the tied head 366 x 64;
     # float32; the parameters less biases and norms (2 x 128 + 2 x 128 + 64)
     products = 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) + 366 * 64
     assert products == TINY_PARAMETERS - 2 * 128 - 2 * 128 - 64
     assert run["matrix_products"]["all"]["weight_bytes"] == products * 4
+    assert "graph_profile" not in run and run["attention"]["splits"] == 0  # no CUDA graph, no Triton on the CPU
     profile = run["eager_profile"]
     times = [row["us_per_step"] for row in profile["top"]]
     assert (
