@@ -118,7 +118,8 @@ class PagedRolloutEngine:
         self.warm_steps: set[tuple] = set()  # (bucket, settings) whose decode step has run (compiled, kernels chosen)
         self._use_triton = self.device.type == "cuda" and triton is not None
         self._attention_inputs, self._decode_query, self._layer_output = self._qkv, self._query, self._mlp
-        self._final_norm, self._pick = self._rms_norm, pick_tokens
+        self._final_norm, self._pick = self._residual_norm, pick_tokens
+        self._down_biases: dict[int, torch.Tensor | None] = {}  # decode rows -> the down projection's bias argument
         wanted = cuda_graph if compile_decode is None else compile_decode
         if wanted and self.device.type == "cuda" and triton is None:
             logger.warning("Triton is not installed: the rollout engine decodes with unfused kernels.")
@@ -126,12 +127,13 @@ class PagedRolloutEngine:
             # one compile serves every layer, every row count, cache size and prefill chunk (the sizes that vary are
             # symbolic; a compile specialised to them would recompile inside the next call, whose pool differs); the
             # sampling head fuses its vocabulary passes
-            self._attention_inputs = _compile_with_rows(self._qkv, (0, 1, 2, 3, 4, 5))  # x, cos, sin, slots, caches
+            # x, delta, cos, sin, slots, caches
+            self._attention_inputs = _compile_with_rows(self._qkv, (0, 1, 2, 3, 4, 5, 6))
             # decode compiles its own, returning q alone: k's rotation then fuses with its cache write (one kernel
             # fewer per layer on the H200)
-            self._decode_query = _compile_with_rows(self._query, (0, 1, 2, 3, 4, 5))
+            self._decode_query = _compile_with_rows(self._query, (0, 1, 2, 3, 4, 5, 6))
             self._layer_output = _compile_with_rows(self._mlp, (0, 1))
-            self._final_norm = _compile_with_rows(self._rms_norm, (0,))
+            self._final_norm = _compile_with_rows(self._residual_norm, (0, 1))
             self._pick = _compile_with_rows(pick_tokens, (0, 2, 5))  # hidden, noise, generated
 
     def sync_weights(self, model) -> None:
@@ -149,9 +151,16 @@ class PagedRolloutEngine:
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-    def _qkv(self, x, cos, sin, slots, k_cache, v_cache, layer: dict[str, torch.Tensor]):
-        """Rotated q, k, v of tokens x (T, hidden) under their positions' rotary `cos`, `sin` (T, head_dim); k and v
-        are also written to cache `slots`."""
+    def _residual_norm(self, x, delta, weight: torch.Tensor) -> torch.Tensor:
+        return self._rms_norm(x if delta is None else x + delta, weight)
+
+    def _qkv(self, x, delta, cos, sin, slots, k_cache, v_cache, layer: dict[str, torch.Tensor]):
+        """Rotated q, k, v of tokens x + delta (T, hidden; `delta` the previous layer's MLP output, or None) under
+        their positions' rotary `cos`, `sin` (T, head_dim), and x + delta; k and v are also written to cache
+        `slots`. The residual add of the previous layer is done here, fused with the norm that reads it: done after
+        the down projection it is a matrix product that first copies x to its output (a copy kernel per layer)."""
+        if delta is not None:
+            x = x + delta
         tokens = x.size(0)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = F.linear(self._rms_norm(x, layer["input_norm"]), layer["qkv_weight"], layer["qkv_bias"])
@@ -165,17 +174,48 @@ class PagedRolloutEngine:
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
-        return q, k, v
+        return q, k, v, x
 
-    def _query(self, x, cos, sin, slots, k_cache, v_cache, layer: dict[str, torch.Tensor]) -> torch.Tensor:
-        """`_qkv`'s rotated q alone (decode reads k and v from the cache)."""
-        return self._qkv(x, cos, sin, slots, k_cache, v_cache, layer)[0]
+    def _query(self, x, delta, cos, sin, slots, k_cache, v_cache, layer: dict[str, torch.Tensor]):
+        """`_qkv`'s rotated q and x + delta alone (decode reads k and v from the cache)."""
+        q, _, _, x = self._qkv(x, delta, cos, sin, slots, k_cache, v_cache, layer)
+        return q, x
 
-    def _mlp(self, x, attention_out, layer: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The rest of a decoder layer after the output projection: residual, MLP block."""
+    def _mlp(self, x, attention_out, layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """After the output projection: the residual x + attention_out, and the MLP's input to its down projection
+        (run outside, `_down_projection`; the next layer adds its output to the residual)."""
         x = x + attention_out
         gate, up = F.linear(self._rms_norm(x, layer["post_norm"]), layer["gate_up_weight"]).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer["down_weight"])
+        return x, F.silu(gate) * up
+
+    @staticmethod
+    def _down_projection(hidden: torch.Tensor, layer: dict[str, torch.Tensor], bias: torch.Tensor | None = None):
+        return F.linear(hidden, layer["down_weight"], bias)
+
+    def _down_bias(self, rows: int) -> torch.Tensor | None:
+        """The bias the decode step's down projection is called with at `rows` rows: None, or zeros where that is
+        faster. Given a bias, cuBLAS runs the product through cuBLASLt, whose split-K kernels read some long weights
+        faster at decode rows and others slower (H200, 2026-12-03: Qwen2.5-7B's down projection at 64 rows 37.7 vs
+        40.8 us, Qwen2.5-1.5B's at 128 rows 16.2 vs 12.7 us), so with CUDA graphs both are timed once per row count,
+        over every layer's weight in a graph as the decode step runs them."""
+        if rows not in self._down_biases:
+            self._down_biases[rows] = None
+            if self.cuda_graph:
+                zeros = torch.zeros(self.snapshot.config.hidden_size, dtype=self.dtype, device=self.device)
+                hidden = torch.zeros(
+                    rows, self.snapshot.config.intermediate_size, dtype=self.dtype, device=self.device
+                )
+                with_bias, without = (
+                    _graph_seconds(
+                        lambda bias=bias: [
+                            self._down_projection(hidden, layer, bias) for layer in self.snapshot.layers
+                        ]
+                    )
+                    for bias in (zeros, None)
+                )
+                if with_bias < 0.98 * without:
+                    self._down_biases[rows] = zeros
+        return self._down_biases[rows]
 
     @staticmethod
     def _output_projection(attention: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -267,6 +307,26 @@ def _compile_with_rows(function, row_arguments: tuple[int, ...]):
             return compiled(*args)
 
     return call
+
+
+def _graph_seconds(function, replays: int = 3) -> float:
+    """Device seconds per call of `function` replayed as a CUDA graph (captured after one warm-up call)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        function()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        function()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / replays
 
 
 class _SlotState:
@@ -502,18 +562,19 @@ class _Generation:
         positions = torch.arange(width, device=device).repeat(count)
         cos, sin = engine.cos[positions], engine.sin[positions]
         group = engine.num_heads // engine.num_kv_heads
-        x = F.embedding(ids_t, engine.snapshot.embed)
+        x, delta = F.embedding(ids_t, engine.snapshot.embed), None
         for layer, (k_cache, v_cache) in zip(engine.snapshot.layers, self.caches, strict=True):
-            q, k, v = engine._attention_inputs(x, cos, sin, slots_t, k_cache, v_cache, layer)
+            q, k, v, x = engine._attention_inputs(x, delta, cos, sin, slots_t, k_cache, v_cache, layer)
             q = q.view(count, width, engine.num_heads, engine.head_dim).transpose(1, 2)
             k = k.view(count, width, engine.num_kv_heads, engine.head_dim).transpose(1, 2)
             v = v.view(count, width, engine.num_kv_heads, engine.head_dim).transpose(1, 2)
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             # right padding: under the causal mask no real token sees a padded one
             attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = engine._layer_output(x, engine._output_projection(attention.transpose(1, 2), layer), layer)
+            x, hidden = engine._layer_output(x, engine._output_projection(attention.transpose(1, 2), layer), layer)
+            delta = engine._down_projection(hidden, layer)
         last = torch.from_numpy(np.arange(count) * width + lengths - 1).to(device)
-        return engine._rms_norm(x[last], engine.snapshot.final_norm)
+        return engine._residual_norm(x[last], delta[last], engine.snapshot.final_norm)
 
     # ----------------------------------------------------------------------------------------------- decode
 
@@ -528,15 +589,17 @@ class _Generation:
         lengths = torch.where(active, positions + 1, 0).to(torch.int32)
         cos, sin = engine.cos[positions], engine.sin[positions]  # once per step, not per layer
         splits = num_splits(bucket, engine.num_kv_heads, engine.device) if engine._use_triton else 0
-        x = F.embedding(tokens, engine.snapshot.embed)
+        down_bias = engine._down_bias(bucket)
+        x, delta = F.embedding(tokens, engine.snapshot.embed), None
         for layer, (k_cache, v_cache) in zip(engine.snapshot.layers, self.caches, strict=True):
-            q = engine._decode_query(x, cos, sin, write, k_cache, v_cache, layer)
+            q, x = engine._decode_query(x, delta, cos, sin, write, k_cache, v_cache, layer)
             if engine._use_triton:
                 attention = triton_decode_attention(q, k_cache, v_cache, table, lengths, page_size, splits)
             else:
                 attention = reference_decode_attention(q, k_cache, v_cache, table, lengths, page_size, self.max_length)
-            x = engine._layer_output(x, engine._output_projection(attention, layer), layer)
-        hidden = engine._final_norm(x, engine.snapshot.final_norm)
+            x, hidden = engine._layer_output(x, engine._output_projection(attention, layer), layer)
+            delta = engine._down_projection(hidden, layer, down_bias)
+        hidden = engine._final_norm(x, delta, engine.snapshot.final_norm)
         noise = sampling_noise(bucket, engine.vocab_size, self.settings, engine.device)
         counts = generated.clone()  # not a view, as in `_start_rows`
         token, logprob = engine._pick(hidden, engine.snapshot.lm_head, noise, self.settings, engine.eos, counts)
@@ -554,6 +617,7 @@ class _Generation:
         if not self.engine.cuda_graph:
             return lambda: self._decode_step(bucket)
         graph = self.graphs.get(bucket)
+        self.engine._down_bias(bucket)  # chosen before any capture (it times graphs of its own)
         # what the compiled code specialises on: the bucket and the settings the sampling head reads
         warm_key = (bucket, dataclasses.replace(self.settings, max_new_tokens=0))
         if graph is None and warm_key not in self.engine.warm_steps:
