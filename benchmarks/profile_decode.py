@@ -105,14 +105,17 @@ def kernel_profile(generate: Callable[[], object], steps: int, cuda: bool) -> di
 
 
 def matrix_products(engine: PagedRolloutEngine, rows: int, bandwidth: float, cuda: bool) -> dict:
-    """Each weight's product at `rows` rows and a decode step's products in sequence, against their bytes' floor."""
+    """Each weight's product at `rows` rows and a decode step's products in sequence, against their bytes' floor; the
+    down projection called as the decode step calls it (`down_bias`: with the zero bias the engine chose)."""
     snapshot, dtype = engine.snapshot, engine.dtype
     layer = snapshot.layers[0]
-    result = {}
+    down_bias = engine._down_bias(rows)
+    result = {"down_bias": down_bias is not None}
     for key in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
         weight = layer[key]
+        bias = down_bias if key == "down_weight" else None
         x = torch.randn(rows, weight.size(1), device=engine.device, dtype=dtype)
-        seconds = seconds_per_call(lambda x=x, weight=weight: F.linear(x, weight), cuda)
+        seconds = seconds_per_call(lambda x=x, weight=weight, bias=bias: F.linear(x, weight, bias), cuda)
         result[key] = {"us": seconds * 1e6, "tb_per_s": weight.nbytes / seconds / 1e12, "shape": list(weight.shape)}
     hidden = torch.randn(rows, snapshot.config.hidden_size, device=engine.device, dtype=dtype)
     seconds = seconds_per_call(lambda: F.linear(hidden, snapshot.lm_head), cuda)
@@ -126,7 +129,7 @@ def matrix_products(engine: PagedRolloutEngine, rows: int, bandwidth: float, cud
             F.linear(hidden, weights["qkv_weight"], weights["qkv_bias"])
             F.linear(hidden, weights["o_weight"])
             F.linear(hidden, weights["gate_up_weight"])
-            F.linear(inner, weights["down_weight"])
+            engine._down_projection(inner, weights, down_bias)
         F.linear(hidden, snapshot.lm_head)
 
     weight_bytes = snapshot.lm_head.nbytes + sum(

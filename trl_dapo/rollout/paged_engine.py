@@ -11,8 +11,8 @@ cache preallocated at rows x maximum length runs out of memory. Here:
 - decode attention reads only each row's filled pages (`paged_attention.py`), prefill uses PyTorch's
   memory-efficient scaled-dot-product attention;
 - on CUDA one decode step (all layers, sampling, bookkeeping) is a CUDA graph per slot-count bucket (powers of two),
-  replayed `sync_every` times between host synchronisations; the per-layer projections, norms and activations and
-  the sampling head are compiled with `torch.compile`.
+  replayed `sync_every` times between host synchronisations; the per-layer norms, activations and q/k/v and gate/up
+  projections and the sampling head are compiled with `torch.compile`.
 
 The weights are a bf16 snapshot of the training model (`weights.py`, LoRA merged), refreshed in place once per
 generation batch. The logprob of each sampled token is `log_softmax(logits / temperature)` (`sampling.py`): the old
