@@ -38,6 +38,7 @@ from workload import EOS_TOKEN_ID, PAD_TOKEN_ID, token_prompts
 
 from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
 from trl_dapo.rollout.paged_attention import num_splits, reference_decode_attention, triton_decode_attention
+from trl_dapo.rollout.paged_engine import slot_bucket
 from trl_dapo.rollout.sampling import sampling_noise
 
 PROFILED_TOKENS = 64  # at most, per row, in the profiled calls
@@ -109,7 +110,7 @@ def matrix_products(engine: PagedRolloutEngine, rows: int, bandwidth: float, cud
     down projection called as the decode step calls it (`down_bias`: with the zero bias the engine chose)."""
     snapshot, dtype = engine.snapshot, engine.dtype
     layer = snapshot.layers[0]
-    down_bias = engine._down_bias(rows)
+    down_bias = engine._down_bias(slot_bucket(rows, engine.max_rows))
     result = {"down_bias": down_bias is not None}
     for key in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
         weight = layer[key]
