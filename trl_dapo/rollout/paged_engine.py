@@ -203,9 +203,7 @@ class PagedRolloutEngine:
         if not self.cuda_graph:
             return None
         outputs, inputs = self.snapshot.layers[0]["down_weight"].shape
-        zeros = next((bias for bias in self._down_biases.values() if bias is not None), None)
-        if zeros is None:
-            zeros = torch.zeros(outputs, dtype=self.dtype, device=self.device)
+        zeros = torch.zeros(outputs, dtype=self.dtype, device=self.device)
         generator = torch.Generator(self.device).manual_seed(0)  # the sampling noise's generator is left alone
         hidden = torch.randn(rows, inputs, dtype=self.dtype, device=self.device, generator=generator)
 
@@ -213,13 +211,11 @@ class PagedRolloutEngine:
             for layer in self.snapshot.layers:
                 self._down_projection(hidden, layer, bias)
 
-        seconds = {True: [], False: []}
+        without, with_bias = [], []
         for _ in range(3):
-            for with_bias in (False, True):
-                seconds[with_bias].append(
-                    _graph_seconds(lambda with_bias=with_bias: products(zeros if with_bias else None))
-                )
-        self._down_biases[rows] = zeros if min(seconds[True]) < 0.98 * min(seconds[False]) else None
+            without.append(_graph_seconds(lambda: products(None)))
+            with_bias.append(_graph_seconds(lambda: products(zeros)))
+        self._down_biases[rows] = zeros if min(with_bias) < 0.98 * min(without) else None
         return self._down_biases[rows]
 
     @staticmethod
@@ -314,13 +310,19 @@ def _compile_with_rows(function, row_arguments: tuple[int, ...]):
     return call
 
 
-def _graph_seconds(function, replays: int = 3) -> float:
-    """Device seconds per call of `function` replayed as a CUDA graph (captured after one warm-up call)."""
+def _on_side_stream(function) -> None:
+    """Run `function` on a fresh stream, ordered after and before the current one: a warm-up before a CUDA graph
+    capture (PyTorch's advice, so that lazy initialisation happens outside the capture)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         function()
     torch.cuda.current_stream().wait_stream(stream)
+
+
+def _graph_seconds(function, replays: int = 3) -> float:
+    """Device seconds per call of `function` replayed as a CUDA graph (captured after one warm-up call)."""
+    _on_side_stream(function)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         function()
@@ -630,11 +632,7 @@ class _Generation:
             # the step replayed next is the same one (it rewrites the same cache and output entries). Once per engine:
             # later calls, with new pools, only capture.
             saved = [tensor.clone() for tensor in self.slots.counters()]
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._decode_step(bucket)
-            torch.cuda.current_stream().wait_stream(stream)
+            _on_side_stream(lambda: self._decode_step(bucket))
             for tensor, value in zip(self.slots.counters(), saved, strict=True):
                 tensor.copy_(value)
             self.engine.warm_steps.add(warm_key)
