@@ -2,9 +2,11 @@
 
     python benchmarks/bench_attention.py                  # CUDA
 
-One query token per row over a paged KV cache (pages of `--page-size` tokens scattered through a pool), at the head
+One new token per row over a paged KV cache (pages of `--page-size` tokens scattered through a pool), at the head
 layouts of Qwen2.5-0.5B (14 query / 2 KV heads, dim 64), 1.5B (12 / 2, dim 128) and 7B (28 / 4, dim 128). For each
-(rows, context length) it checks the kernel against the float32 reference and times it; FlexAttention runs with its
+(rows, context length) it checks the kernel against the float32 reference and times it (the kernel also rotates the
+new token's q and k and writes its k and v to the cache; FlexAttention gets the rotated q and the written cache, so
+it times the attention alone); FlexAttention runs with its
 decoding kernel through a block mask built from the page table (its GQA packing needs a power-of-two number of query
 heads per KV head, so the query heads are zero-padded to the next one) and is compiled once per shape. Bandwidth use
 is the KV bytes each call must read over its time, against the measured copy bandwidth. Prints a table last and
@@ -22,7 +24,12 @@ from pathlib import Path
 
 import torch
 
-from trl_dapo.rollout.paged_attention import num_splits, reference_decode_attention, triton_decode_attention
+from trl_dapo.rollout.paged_attention import (
+    num_splits,
+    reference_decode_attention,
+    rotated_heads,
+    triton_decode_attention,
+)
 
 HERE = Path(__file__).parent
 HEADS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128), "qwen2.5-7b": (28, 4, 128)}
@@ -49,8 +56,8 @@ def copy_bandwidth() -> float:
 
 
 def paged_problem(rows: int, context: int, heads: int, kv_heads: int, dim: int, page_size: int, seed: int = 0):
-    """Random queries and cache, each row's pages scattered through the pool; lengths spread over [context/2,
-    context] so rows end at different points."""
+    """Random new tokens (q/k/v projections, rotary angles) and cache, each row's pages scattered through the pool;
+    lengths spread over [context/2, context] so rows end at different points, the new token last."""
     generator = torch.Generator(device="cuda").manual_seed(seed)
     lengths = torch.randint(context // 2, context + 1, (rows,), device="cuda", generator=generator, dtype=torch.int32)
     pages_per_row = math.ceil(context / page_size)
@@ -60,8 +67,12 @@ def paged_problem(rows: int, context: int, heads: int, kv_heads: int, dim: int, 
     shape = (pool_pages * page_size, kv_heads, dim)
     k = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
     v = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
-    q = torch.randn(rows, heads, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
-    return q, k, v, table, lengths
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    angles = torch.rand(rows, dim // 2, device="cuda", generator=generator) * 2 * math.pi
+    cos, sin = (torch.cat([f(angles)] * 2, dim=1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    position = (lengths - 1).long()
+    write = table.gather(1, (position // page_size).unsqueeze(1)).squeeze(1).long() * page_size + position % page_size
+    return (qkv, cos, sin, write, k, v, table, lengths)
 
 
 def flex_decoder(q, k, v, table, lengths, page_size: int):
@@ -101,15 +112,18 @@ def flex_decoder(q, k, v, table, lengths, page_size: int):
 
 def measure(model: str, rows: int, context: int, page_size: int, bandwidth: float, flex: bool) -> dict:
     heads, kv_heads, dim = HEADS[model]
-    q, k, v, table, lengths = paged_problem(rows, context, heads, kv_heads, dim, page_size)
+    problem = paged_problem(rows, context, heads, kv_heads, dim, page_size)
+    qkv, cos, sin, _, k, v, table, lengths = problem
+    new_token = (*problem, page_size, heads, None, 1e-6)
     kv_bytes = int(lengths.sum()) * kv_heads * dim * 2 * 2
-    reference = reference_decode_attention(q, k, v, table, lengths, page_size, context) if rows <= 256 else None
-    splits = num_splits(rows, kv_heads, q.device)
+    reference = reference_decode_attention(*new_token, context) if rows <= 256 else None  # writes the cache too
+    splits = num_splits(rows, kv_heads, qkv.device)
     result = {"model": model, "rows": rows, "context": context, "page_size": page_size, "splits": splits}
-    candidates = {"triton": lambda: triton_decode_attention(q, k, v, table, lengths, page_size, splits)}
+    candidates = {"triton": lambda: triton_decode_attention(*new_token, splits)}
     if flex:
         try:
             start = time.perf_counter()
+            q = rotated_heads(qkv, cos, sin, heads, kv_heads, None, 1e-6)[0]
             candidates["flex"] = flex_decoder(q, k, v, table, lengths, page_size)
             candidates["flex"]()
             result["flex_compile_s"] = time.perf_counter() - start

@@ -149,22 +149,31 @@ def matrix_products(engine: PagedRolloutEngine, rows: int, bandwidth: float, cud
 
 
 def attention_and_head(engine: PagedRolloutEngine, rows: int, context: int, settings, cuda: bool) -> dict:
-    """The decode attention over `context` cached tokens per row, the sampling head and its noise, at `rows` rows."""
+    """The decode attention over `context` tokens per row (the new token's rotation and cache write included), the
+    sampling head and its noise, at `rows` rows."""
     device, dtype, page = engine.device, engine.dtype, engine.page_size
+    heads, kv_heads, dim = engine.num_heads, engine.num_kv_heads, engine.head_dim
     pages = math.ceil(context / page)
-    cache_shape = (rows * pages * page + page, engine.num_kv_heads, engine.head_dim)
+    cache_shape = (rows * pages * page + page, kv_heads, dim)
     k_cache = torch.randn(cache_shape, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     table = torch.arange(rows * pages, device=device, dtype=torch.int32).view(rows, pages)
     lengths = torch.full((rows,), context, device=device, dtype=torch.int32)
-    q = torch.randn(rows, engine.num_heads, engine.head_dim, device=device, dtype=dtype)
+    write = table[:, (context - 1) // page].long() * page + (context - 1) % page
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=device, dtype=dtype)
+    cos, sin = (
+        engine.cos[context - 1].expand(rows, dim).contiguous(),
+        engine.sin[context - 1].expand(rows, dim).contiguous(),
+    )
+    norm = engine._qk_norm(engine.snapshot.layers[0])
+    new_token = (qkv, cos, sin, write, k_cache, v_cache, table, lengths, page, heads, norm, engine.eps)
     if engine._use_triton:
-        splits = num_splits(rows, engine.num_kv_heads, device)
-        attention = lambda: triton_decode_attention(q, k_cache, v_cache, table, lengths, page, splits)  # noqa: E731
+        splits = num_splits(rows, kv_heads, device)
+        attention = lambda: triton_decode_attention(*new_token, splits)  # noqa: E731
     else:
         splits = 0
-        attention = lambda: reference_decode_attention(q, k_cache, v_cache, table, lengths, page, context)  # noqa: E731
-    kv_bytes = rows * context * engine.num_kv_heads * engine.head_dim * 2 * k_cache.element_size()
+        attention = lambda: reference_decode_attention(*new_token, context)  # noqa: E731
+    kv_bytes = rows * context * kv_heads * dim * 2 * k_cache.element_size()
     seconds = seconds_per_call(attention, cuda)
     hidden = torch.randn(rows, engine.snapshot.config.hidden_size, device=device, dtype=dtype)
     draw_noise = lambda: sampling_noise(rows, engine.vocab_size, settings, device)  # noqa: E731

@@ -347,21 +347,33 @@ def test_a_cache_too_small_for_one_row_is_a_clear_error(model_and_tokenizer):
 )
 def test_triton_decode_kernel_matches_the_reference_in_the_interpreter():
     """The CUDA decode-attention kernel, run by Triton's CPU interpreter, against the float32 reference: rows of
-    different lengths (one empty), pages scattered through the pool, one to several splits per row."""
+    different lengths (an idle one, one whose only token is the new one), pages scattered through the pool, one to
+    several splits per row, Qwen3's q/k norms; the new token's k and v written to the same cache slots."""
     script = """
 import math, torch
 from trl_dapo.rollout.paged_attention import reference_decode_attention, triton_decode_attention
 torch.manual_seed(0)
-for heads, kv_heads, dim, page, lengths, splits in [(4, 2, 16, 4, [5, 0, 37], 3), (14, 2, 32, 16, [100, 33], 4)]:
+cases = [(4, 2, 16, 4, [5, 0, 37, 1], 3, False), (14, 2, 32, 16, [100, 33], 4, True), (6, 3, 16, 4, [9, 2], 1, False)]
+for heads, kv_heads, dim, page, lengths, splits, norm in cases:
     rows, width = len(lengths), max(math.ceil(n / page) for n in lengths) + 1
     pool = rows * width + 3
-    k, v = torch.randn(pool * page, kv_heads, dim), torch.randn(pool * page, kv_heads, dim)
+    k, v = torch.randn((pool + 1) * page, kv_heads, dim), torch.randn((pool + 1) * page, kv_heads, dim)
     table = torch.randperm(pool)[: rows * width].view(rows, width).int()
-    q, lens = torch.randn(rows, heads, dim), torch.tensor(lengths, dtype=torch.int32)
-    expected = reference_decode_attention(q, k, v, table, lens, page, max(lengths))
-    out = triton_decode_attention(q, k, v, table, lens, page, splits, block_n=16)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim)
+    angles = torch.rand(rows, dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    position = (lens - 1).clamp(min=0)
+    write = table.gather(1, (position // page).long()[:, None])[:, 0].long() * page + position % page
+    write[lens == 0] = pool * page  # an idle slot's write goes to the extra page, which no row reads
+    qk_norm = (torch.rand(dim) + 0.5, torch.rand(dim) + 0.5) if norm else None
+    k_out, v_out = k.clone(), v.clone()
+    args = (page, heads, qk_norm, 1e-6)
+    expected = reference_decode_attention(qkv, cos, sin, write, k, v, table, lens, *args, max(lengths))
+    out = triton_decode_attention(qkv, cos, sin, write, k_out, v_out, table, lens, *args, splits, block_n=16)
     assert (out - expected).abs().max() < 1e-4, (out - expected).abs().max()
     assert (out[lens == 0] == 0).all()
+    assert (k_out - k).abs().max() < 1e-5 and (v_out == v).all()
 """
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)

@@ -1,14 +1,16 @@
 """Decode attention over a paged KV cache: each row reads only the pages it has filled.
 
 The cache of one layer is a flat, token-major tensor `(slots, kv_heads, head_dim)`; a row's tokens live in pages of
-`page_size` consecutive slots, listed in its row of `page_table`. One query token per row attends to the first
-`seq_lens[row]` tokens of its pages.
+`page_size` consecutive slots, listed in its row of `page_table`. A decode step gives each row one new token, as the
+output of the layer's q/k/v projection: its q and k are normalised (Qwen3's per-head norms) and rotated, its k and v
+written to the row's cache slot, and its query attends to the row's `seq_lens[row]` tokens, the new one last.
 
-On CUDA a split-K Triton kernel does it in two launches (partial softmax per split of each row's tokens, then the
-merge), with a fixed grid so it can be captured in a CUDA graph. FlexAttention's decoding kernel would need the
-query heads per KV head to be a power of two (Qwen2.5 has 6 and 7) and a batch size fixed at compile time;
-`benchmarks/bench_attention.py` measures both. Elsewhere a PyTorch gather-and-softmax reference computes the same
-function.
+On CUDA a split-K Triton kernel does it in two launches (partial softmax per split of each row's cached tokens, the
+new token's rotation, cache write and score in the last split; then the merge), with a fixed grid so it can be
+captured in a CUDA graph: folding the rotation and the cache write in saves the decode step two kernels per layer.
+FlexAttention's decoding kernel would need the query heads per KV head to be a power of two (Qwen2.5 has 6 and 7)
+and a batch size fixed at compile time; `benchmarks/bench_attention.py` measures both. Elsewhere a PyTorch reference
+computes the same function.
 """
 
 from __future__ import annotations
@@ -24,7 +26,40 @@ except ImportError:  # CPU-only installs: the reference path serves
     triton = None
 
 
-def reference_decode_attention(
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm over the last dimension in float32, rounded to x's dtype before the weight (as transformers does)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (..., head_dim), rotating its two halves."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def rotated_heads(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (T, heads, dim), k and v (T, kv_heads, dim) of the projection output qkv (T, (heads + 2 kv_heads) dim):
+    q and k normalised by `qk_norm` (Qwen3's per-head weights, or None) and rotated by `cos`, `sin` (T, dim)."""
+    tokens = qkv.size(0)
+    dim = qkv.size(1) // (heads + 2 * kv_heads)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    if qk_norm is not None:
+        q, k = rms_norm(q, qk_norm[0], eps), rms_norm(k, qk_norm[1], eps)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def reference_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -33,8 +68,9 @@ def reference_decode_attention(
     page_size: int,
     max_len: int,
 ) -> torch.Tensor:
-    """q (rows, heads, dim); caches (slots, kv_heads, dim); page_table (rows, pages); seq_lens (rows,), at most
-    `max_len`. Returns (rows, heads, dim) in q's dtype; a row with no tokens gets zeros."""
+    """q (rows, heads, dim) over the first `seq_lens` (rows,) tokens, at most `max_len`, of each row's pages; caches
+    (slots, kv_heads, dim); page_table (rows, pages). Returns (rows, heads, dim) in q's dtype; a row with no tokens
+    gets zeros."""
     rows, heads, dim = q.shape
     kv_heads = k_cache.size(1)
     pages = math.ceil(max_len / page_size) if max_len else 0
@@ -49,6 +85,31 @@ def reference_decode_attention(
     return torch.einsum("rkgt,rtkd->rkgd", weights, values).reshape(rows, heads, dim).to(q.dtype)
 
 
+def reference_decode_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    write_slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    heads: int,
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None,
+    eps: float,
+    max_len: int,
+) -> torch.Tensor:
+    """One decode step's attention. qkv (rows, (heads + 2 kv_heads) dim): each row's new token; cos, sin (rows, dim):
+    its position's rotary; write_slots (rows,): the cache slot its k and v go to (an idle slot's: one nobody reads);
+    seq_lens (rows,): its tokens with the new one (0: an idle slot, which gets zeros); the rest as in
+    `reference_attention`."""
+    q, k, v = rotated_heads(qkv, cos, sin, heads, k_cache.size(1), qk_norm, eps)
+    k_cache.index_copy_(0, write_slots, k)
+    v_cache.index_copy_(0, write_slots, v)
+    return reference_attention(q, k_cache, v_cache, page_table, seq_lens, page_size, max_len)
+
+
 def num_splits(rows: int, kv_heads: int, device: torch.device) -> int:
     """Splits of each row's tokens so that the grid holds about two programs per multiprocessor."""
     processors = torch.cuda.get_device_properties(device).multi_processor_count
@@ -56,31 +117,40 @@ def num_splits(rows: int, kv_heads: int, device: torch.device) -> int:
 
 
 def triton_decode_attention(
-    q: torch.Tensor,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    write_slots: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     page_size: int,
+    heads: int,
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None,
+    eps: float,
     splits: int,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """The Triton kernel's version of `reference_decode_attention` (same arguments; no host synchronisation)."""
-    rows, heads, dim = q.shape
-    kv_heads = k_cache.size(1)
+    """The Triton kernel's version of `reference_decode_attention` (`splits` in place of `max_len`; no host
+    synchronisation)."""
+    rows = qkv.size(0)
+    kv_heads, dim = k_cache.size(1), k_cache.size(2)
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
-    partial_out = torch.empty(rows, kv_heads, splits, group_pad, dim, device=q.device, dtype=torch.float32)
-    partial_max = torch.empty(rows, kv_heads, splits, group_pad, device=q.device, dtype=torch.float32)
+    partial_out = torch.empty(rows, kv_heads, splits, group_pad, dim, device=qkv.device, dtype=torch.float32)
+    partial_max = torch.empty(rows, kv_heads, splits, group_pad, device=qkv.device, dtype=torch.float32)
     partial_sum = torch.empty_like(partial_max)
+    q_norm, k_norm = qk_norm if qk_norm is not None else (cos, cos)  # unread without QK_NORM
     _split_kernel[(rows, kv_heads, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, partial_out, partial_max, partial_sum,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
-        (1.0 / math.sqrt(dim)) * 1.4426950408889634,
-        GROUP=group, GROUP_PAD=group_pad, DIM=dim, PAGE=page_size, BLOCK_N=block_n, SPLITS=splits,
-        num_warps=4, num_stages=2,
+        qkv, cos, sin, write_slots, q_norm, k_norm, k_cache, v_cache, page_table, seq_lens,
+        partial_out, partial_max, partial_sum,
+        qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
+        (1.0 / math.sqrt(dim)) * 1.4426950408889634, eps,
+        HEADS=heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, PAGE=page_size, BLOCK_N=block_n, SPLITS=splits,
+        QK_NORM=qk_norm is not None, num_warps=4, num_stages=2,
     )  # fmt: skip
-    out = torch.empty_like(q)
+    out = torch.empty(rows, heads, dim, device=qkv.device, dtype=qkv.dtype)
     _merge_kernel[(rows, heads)](
         partial_out, partial_max, partial_sum, out, out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, DIM=dim, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
@@ -92,29 +162,63 @@ def triton_decode_attention(
 if triton is not None:
 
     @triton.jit
+    def _rotated(ptr, dims, mask, cos, sin, norm_ptr, eps, DIM: tl.constexpr, QK_NORM: tl.constexpr):
+        """Heads at `ptr` (offsets (heads, 1) + dims) normalised (QK_NORM) and rotated as `rotated_heads` does, in
+        float32 with the roundings the compiled PyTorch version makes; rounded to the input's dtype."""
+        swapped = (dims + DIM // 2) % DIM  # rotate_half reads the other half, negated for the first
+        x = tl.load(ptr + dims[None, :], mask=mask, other=0.0)
+        other = tl.load(ptr + swapped[None, :], mask=mask, other=0.0).to(tl.float32)
+        dtype = x.dtype
+        x = x.to(tl.float32)
+        if QK_NORM:
+            inverse = tl.math.rsqrt(tl.sum(x * x, axis=1) / DIM + eps)[:, None]
+            x = tl.load(norm_ptr + dims).to(tl.float32)[None, :] * (x * inverse).to(dtype).to(tl.float32)
+            other = tl.load(norm_ptr + swapped).to(tl.float32)[None, :] * (other * inverse).to(dtype).to(tl.float32)
+        sign = tl.where(dims < DIM // 2, -1.0, 1.0)[None, :]
+        return (x * cos[None, :] + sign * other * sin[None, :]).to(dtype)
+
+    @triton.jit
     def _split_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, max_ptr, sum_ptr,
-        stride_q_row, stride_q_head, stride_k_slot, stride_k_head, stride_table_row,
-        scale_log2,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+        qkv_ptr, cos_ptr, sin_ptr, write_ptr, q_norm_ptr, k_norm_ptr, k_ptr, v_ptr, table_ptr, lens_ptr,
+        out_ptr, max_ptr, sum_ptr,
+        stride_qkv_row, stride_cos_row, stride_k_slot, stride_k_head, stride_table_row, scale_log2, eps,
+        HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
     ):  # fmt: skip
-        """Online softmax of one row's query heads sharing KV head `kv`, over split `split` of its tokens."""
+        """Online softmax of one row's query heads sharing KV head `kv`, over split `split` of its cached tokens;
+        the last split also writes the new token's k and v to the cache and adds its score (an idle slot's, of
+        length 0, goes to its write slot alone)."""
         row, kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        kv_heads = tl.num_programs(1)
         length = tl.load(lens_ptr + row)
-        chunk = tl.cdiv(tl.cdiv(length, BLOCK_N), SPLITS) * BLOCK_N
+        cached = tl.maximum(length - 1, 0)
+        chunk = tl.cdiv(tl.cdiv(cached, BLOCK_N), SPLITS) * BLOCK_N
         start = split * chunk
-        end = tl.minimum(start + chunk, length)
+        end = tl.minimum(start + chunk, cached)
         heads = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, DIM)
-        q = tl.load(
-            q_ptr + row * stride_q_row + (kv * GROUP + heads)[:, None] * stride_q_head + dims[None, :],
-            mask=(heads < GROUP)[:, None],
-            other=0.0,
-        )
-        running_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-        running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, DIM], dtype=tl.float32)
+        cos = tl.load(cos_ptr + row * stride_cos_row + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + row * stride_cos_row + dims).to(tl.float32)
+        token = qkv_ptr + row * stride_qkv_row
+        q = _rotated(
+            token + (kv * GROUP + heads)[:, None] * DIM, dims, (heads < GROUP)[:, None], cos, sin, q_norm_ptr, eps,
+            DIM, QK_NORM,
+        )  # fmt: skip
+        # the new token first, so that its loads overlap the query's and nothing follows the loop: the last split
+        # writes its k and v to the cache and starts its softmax with it
+        last = split == SPLITS - 1
+        one = tl.arange(0, 1)[:, None]
+        k_new = _rotated(token + (HEADS + kv) * DIM + one, dims, one < 1, cos, sin, k_norm_ptr, eps, DIM, QK_NORM)
+        v_new = tl.load(token + (HEADS + kv_heads + kv) * DIM + one + dims[None, :])
+        slot = tl.load(write_ptr + row).to(tl.int64) * stride_k_slot + kv * stride_k_head + one + dims[None, :]
+        writes = dims[None, :] < tl.where(last, DIM, 0)
+        tl.store(k_ptr + slot, k_new, mask=writes)
+        tl.store(v_ptr + slot, v_new, mask=writes)
+        starts = last & (length > 0)  # an idle slot (length 0) attends to nothing
+        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2
+        running_max = tl.where(starts, score, float("-inf"))
+        running_sum = tl.where(starts, 1.0, 0.0) + tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.where(starts, v_new.to(tl.float32), 0.0) + tl.zeros([GROUP_PAD, DIM], dtype=tl.float32)
         for first in range(start, end, BLOCK_N):
             tokens = first + tl.arange(0, BLOCK_N)
             valid = tokens < end
@@ -130,7 +234,7 @@ if triton is not None:
             v = tl.load(v_ptr + offsets + dims[None, :], mask=valid[:, None], other=0.0)
             acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
             running_max = new_max
-        base = (row * tl.num_programs(1) + kv) * SPLITS + split
+        base = (row * kv_heads + kv) * SPLITS + split
         tl.store(out_ptr + (base * GROUP_PAD + heads)[:, None] * DIM + dims[None, :], acc)
         tl.store(max_ptr + base * GROUP_PAD + heads, running_max)
         tl.store(sum_ptr + base * GROUP_PAD + heads, running_sum)

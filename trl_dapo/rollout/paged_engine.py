@@ -32,7 +32,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .paged_attention import num_splits, reference_decode_attention, triton, triton_decode_attention
+from .paged_attention import (
+    num_splits,
+    reference_decode_attention,
+    rms_norm,
+    rotated_heads,
+    triton,
+    triton_decode_attention,
+)
 from .sampling import SamplingSettings, pick_tokens, sampling_noise
 from .scheduler import Prefix, Scheduler
 from .weights import WeightSnapshot, gather_nothing
@@ -117,7 +124,7 @@ class PagedRolloutEngine:
         self._rope_length = 0
         self.warm_steps: set[tuple] = set()  # (bucket, settings) whose decode step has run (compiled, kernels chosen)
         self._use_triton = self.device.type == "cuda" and triton is not None
-        self._attention_inputs, self._decode_query, self._layer_output = self._qkv, self._query, self._mlp
+        self._attention_inputs, self._decode_qkv, self._layer_output = self._qkv, self._normed_qkv, self._mlp
         self._final_norm, self._pick = self._residual_norm, pick_tokens
         self._down_biases: dict[int, torch.Tensor | None] = {}  # decode rows -> the down projection's bias argument
         wanted = cuda_graph if compile_decode is None else compile_decode
@@ -128,9 +135,8 @@ class PagedRolloutEngine:
             # compile specialised to them would recompile inside the next call, whose pool differs), and every layer
             # but the first, which has no delta to add and its own; the sampling head fuses its vocabulary passes
             self._attention_inputs = _compile_with_rows(self._qkv, (0, 1, 2, 3, 4, 5, 6))  # x, delta, cos, ... caches
-            # decode compiles its own, returning q and x, not k and v: k's rotation then fuses with its cache write
-            # (one kernel fewer per layer on the H200)
-            self._decode_query = _compile_with_rows(self._query, (0, 1, 2, 3, 4, 5, 6))
+            # decode compiles the projection alone: the attention kernel rotates q and k and writes the cache
+            self._decode_qkv = _compile_with_rows(self._normed_qkv, (0, 1))
             self._layer_output = _compile_with_rows(self._mlp, (0, 1))
             self._final_norm = _compile_with_rows(self._residual_norm, (0, 1))
             self._pick = _compile_with_rows(pick_tokens, (0, 2, 5))  # hidden, noise, generated
@@ -142,43 +148,33 @@ class PagedRolloutEngine:
     # -------------------------------------------------------------------------------------------- model math
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+        return rms_norm(x, weight, self.eps)
 
     def _residual_norm(self, x, delta, weight: torch.Tensor) -> torch.Tensor:
         return self._rms_norm(x if delta is None else x + delta, weight)
 
-    def _qkv(self, x, delta, cos, sin, slots, k_cache, v_cache, layer: dict[str, torch.Tensor]):
-        """Rotated q, k, v of tokens x + delta (T, hidden; `delta` the previous layer's MLP output, or None) under
-        their positions' rotary `cos`, `sin` (T, head_dim), and x + delta; k and v are also written to cache
-        `slots`. The residual add of the previous layer is done here, fused with the norm that reads it: done after
-        the down projection it is a matrix product that first copies x to its output (a copy kernel per layer)."""
+    @staticmethod
+    def _qk_norm(layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Qwen3's per-head q and k norm weights, or None."""
+        return (layer["q_norm"], layer["k_norm"]) if "q_norm" in layer else None
+
+    def _normed_qkv(self, x, delta, layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q/k/v projection (T, (heads + 2 kv_heads) head_dim) of tokens x + delta (T, hidden; `delta` the
+        previous layer's MLP output, or None), and x + delta. The residual add of the previous layer is done here,
+        fused with the norm that reads it: done after the down projection it is a matrix product that first copies x
+        to its output (a copy kernel per layer)."""
         if delta is not None:
             x = x + delta
-        tokens = x.size(0)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = F.linear(self._rms_norm(x, layer["input_norm"]), layer["qkv_weight"], layer["qkv_bias"])
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if "q_norm" in layer:  # Qwen3
-            q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return F.linear(self._rms_norm(x, layer["input_norm"]), layer["qkv_weight"], layer["qkv_bias"]), x
+
+    def _qkv(self, x, delta, cos, sin, slots, k_cache, v_cache, layer: dict[str, torch.Tensor]):
+        """Rotated q, k, v of tokens x + delta under their positions' rotary `cos`, `sin` (T, head_dim), and
+        x + delta (see `_normed_qkv`); k and v are also written to cache `slots`."""
+        qkv, x = self._normed_qkv(x, delta, layer)
+        q, k, v = rotated_heads(qkv, cos, sin, self.num_heads, self.num_kv_heads, self._qk_norm(layer), self.eps)
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
         return q, k, v, x
-
-    def _query(self, x, delta, cos, sin, slots, k_cache, v_cache, layer: dict[str, torch.Tensor]):
-        """`_qkv`'s rotated q and x + delta alone (decode reads k and v from the cache)."""
-        q, _, _, x = self._qkv(x, delta, cos, sin, slots, k_cache, v_cache, layer)
-        return q, x
 
     def _mlp(self, x, attention_out, layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """After the output projection: the residual x + attention_out, and the MLP's input to its down projection
@@ -599,11 +595,13 @@ class _Generation:
         down_bias = engine._down_bias(bucket)
         x, delta = F.embedding(tokens, engine.snapshot.embed), None
         for layer, (k_cache, v_cache) in zip(engine.snapshot.layers, self.caches, strict=True):
-            q, x = engine._decode_query(x, delta, cos, sin, write, k_cache, v_cache, layer)
+            qkv, x = engine._decode_qkv(x, delta, layer)
+            heads, norm, eps = engine.num_heads, engine._qk_norm(layer), engine.eps
+            new_token = (qkv, cos, sin, write, k_cache, v_cache, table, lengths, page_size, heads, norm, eps)
             if engine._use_triton:
-                attention = triton_decode_attention(q, k_cache, v_cache, table, lengths, page_size, splits)
+                attention = triton_decode_attention(*new_token, splits)
             else:
-                attention = reference_decode_attention(q, k_cache, v_cache, table, lengths, page_size, self.max_length)
+                attention = reference_decode_attention(*new_token, self.max_length)
             x, hidden = engine._layer_output(x, engine._output_projection(attention, layer), layer)
             delta = engine._down_projection(hidden, layer, down_bias)
         hidden = engine._final_norm(x, delta, engine.snapshot.final_norm)

@@ -7,7 +7,9 @@ so it is the old policy directly. The logits are computed in the precision the t
 to the weights' dtype (bf16) like TRL's default head, or kept in float32 (`fp32_logits`) like its head with
 `cast_lm_head_to_fp32=True`; two heads that round differently disagree by up to half a bf16 step of each logit.
 The vocabulary-wide reductions (the sampled token, the logsumexp) run over chunks of each row: a decode batch has
-tens of rows, and the compiled full-row `log_softmax` took 1.1 ms of a 6.1 ms 7B decode step on an H200.
+tens of rows, and the compiled full-row `log_softmax` took 1.1 ms of a 6.1 ms 7B decode step on an H200. Up to 256
+chunks: Qwen2.5-7B's 152,064 entries then come in chunks of 594 rather than 2,376, and the head at 64 rows (its
+product and noise included) took 339 us instead of 387 (H200, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-VOCAB_CHUNKS = 64
+VOCAB_CHUNKS = 256
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,10 @@ def pick_tokens(
     """
     logits = head_logits(hidden, lm_head, settings.fp32_logits)
     if settings.min_new_tokens:
-        blocked = (generated < settings.min_new_tokens).float() * -1e9
-        logits[:, eos] += blocked.reshape(-1, 1) if blocked.dim() else blocked
+        # a mask, not an in-place add to the EOS columns: that would make the compiler write the float32 logits out
+        is_eos = (torch.arange(logits.size(1), device=logits.device).unsqueeze(1) == eos).any(dim=1)
+        blocked = (generated < settings.min_new_tokens).reshape(-1, 1) & is_eos
+        logits = logits + blocked.float() * -1e9
     candidates = logits
     if noise is not None:
         logits = logits / settings.temperature
