@@ -116,8 +116,12 @@ def measure(model: str, rows: int, context: int, page_size: int, bandwidth: floa
     qkv, cos, sin, _, k, v, table, lengths = problem
     new_token = (*problem, page_size, heads, None, 1e-6)
     kv_bytes = int(lengths.sum()) * kv_heads * dim * 2 * 2
-    reference = reference_decode_attention(*new_token, context) if rows <= 256 else None  # writes the cache too
     splits = num_splits(rows, kv_heads, qkv.device)
+    if rows <= 256:  # the reference's memory grows with rows x context; it also writes the new tokens' k and v
+        reference = reference_decode_attention(*new_token, context)
+    else:
+        reference = None
+        triton_decode_attention(*new_token, splits)  # writes the cache that FlexAttention then reads
     result = {"model": model, "rows": rows, "context": context, "page_size": page_size, "splits": splits}
     candidates = {"triton": lambda: triton_decode_attention(*new_token, splits)}
     if flex:
