@@ -117,13 +117,12 @@ def measure(model: str, rows: int, context: int, page_size: int, bandwidth: floa
     new_token = (*problem, page_size, heads, None, 1e-6)
     kv_bytes = int(lengths.sum()) * kv_heads * dim * 2 * 2
     splits = num_splits(rows, kv_heads, qkv.device)
-    if rows <= 256:  # the reference's memory grows with rows x context; it also writes the new tokens' k and v
-        reference = reference_decode_attention(*new_token, context)
-    else:
-        reference = None
-        triton_decode_attention(*new_token, splits)  # writes the cache that FlexAttention then reads
-    result = {"model": model, "rows": rows, "context": context, "page_size": page_size, "splits": splits}
     candidates = {"triton": lambda: triton_decode_attention(*new_token, splits)}
+    # Either call writes the new tokens' k and v, which FlexAttention reads; the reference's memory grows with rows.
+    reference = reference_decode_attention(*new_token, context) if rows <= 256 else None
+    if reference is None:
+        candidates["triton"]()
+    result = {"model": model, "rows": rows, "context": context, "page_size": page_size, "splits": splits}
     if flex:
         try:
             start = time.perf_counter()

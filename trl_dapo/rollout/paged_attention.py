@@ -165,7 +165,7 @@ if triton is not None:
     def _rotated(ptr, dims, mask, cos, sin, norm_ptr, eps, DIM: tl.constexpr, QK_NORM: tl.constexpr):
         """Heads at `ptr` (offsets (heads, 1) + dims) normalised (QK_NORM) and rotated as `rotated_heads` does, in
         float32, rounding to the input's dtype where it does; the float32 operations' order differs, so bf16 results
-        can differ from it by an ulp (1-2 measured on the H200)."""
+        can differ from it by an ulp or two (measured on the H200)."""
         swapped = (dims + DIM // 2) % DIM  # rotate_half reads the other half, negated for the first
         x = tl.load(ptr + dims[None, :], mask=mask, other=0.0)
         other = tl.load(ptr + swapped[None, :], mask=mask, other=0.0).to(tl.float32)
