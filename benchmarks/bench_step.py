@@ -28,7 +28,13 @@ from workload import config_path, decode_weight_bytes, kv_bytes_per_token, promp
 # The trainers a comparison runs, with their DAPOConfig overrides. On CUDA, DAPO generates with its engine; the same
 # DAPO trainer on TRL's generation path does exactly TRL's generation work, so its rest of the step against TRL's is
 # the cost of DAPO's loss and bookkeeping alone (on CPU DAPO already takes TRL's path).
-COMPARISON_KINDS = {"trl": {}, "dapo": {}, "dapo_trl_generation": {"rollout_engine": "trl"}}
+# `dapo_padded`: DAPO with padded training passes (`padding_free=False`), rows split evenly by count.
+COMPARISON_KINDS = {
+    "trl": {},
+    "dapo": {},
+    "dapo_padded": {"padding_free": False},
+    "dapo_trl_generation": {"rollout_engine": "trl"},
+}
 
 
 def per_kind(values: list[str], default: int) -> dict[str, int]:
@@ -43,18 +49,22 @@ def per_kind(values: list[str], default: int) -> dict[str, int]:
 
 
 def step_comparison(
-    config, tokenizer, setup, kinds, warmup, steps, out: dict, save, profile_prefix: str | None = None
+    config, tokenizer, setup, kinds, warmup, steps, out: dict, save, profile_prefix: str | None = None, lora: int = 0
 ) -> None:
-    """Run the trainers `kinds` names, in that order, on the same model, prompts and batch; each one's result goes
-    into `out`, saved at once (a run cut short in a slow trainer keeps the ones before)."""
-    dataset = prompts(4 * setup["rows_per_step"], vocab_size=len(tokenizer))
+    """Run the trainers `kinds` names, in that order, on the same model, prompts and batch (a LoRA adapter of rank
+    `lora` on every linear layer when set); each one's result goes into `out`, saved at once (a run cut short in a
+    slow trainer keeps the ones before)."""
+    from peft import LoraConfig
+
+    dataset = prompts(4 * setup["rows_per_step"], vocab_size=len(tokenizer), words=setup["prompt_words"])
+    peft_config = LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear") if lora else None
     for kind in kinds:
         model = random_model(config, setup["device"], setup["dtype"])
         profile = Path(f"{profile_prefix}_{kind}.txt") if profile_prefix else None
         trainer = "trl" if kind == "trl" else "dapo"
         out[kind] = run_trainer(
             trainer, model, tokenizer, dataset, setup, warmup[kind], steps[kind], profile=profile,
-            **COMPARISON_KINDS[kind],
+            peft_config=peft_config, **COMPARISON_KINDS[kind],
         )  # fmt: skip
         del model
         save()
@@ -65,6 +75,11 @@ def step_comparison(
     if {"trl", "dapo_trl_generation"} <= set(out):  # DAPO's loss and bookkeeping against TRL's, same generation
         same = out["dapo_trl_generation"]
         out["ratio_same_generation"] = {key: same[key] / out["trl"][key] for key in ("train_s", "train_median_s")}
+    if {"dapo", "dapo_padded"} <= set(out):  # padding-free against padded training passes, same everything else
+        keys = ("step_s", "train_s", "train_median_s", "peak_memory_gib")
+        out["ratio_padding_free"] = {
+            key: out["dapo"][key] / out["dapo_padded"][key] for key in keys if out["dapo_padded"][key]
+        }
 
 
 def engine_variants(config, tokenizer, setup, warmup: int, steps: int) -> dict:
@@ -114,8 +129,9 @@ def limits(config, setup, comparison, ceilings) -> dict:
 
 def table(results: dict) -> str:
     lines = [
-        "| model | trainer | step s | generation s | logprob pass s | train s | completion tok/step | gen tok/s | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | trainer | step s | generation s | logprob pass s | train s | completion tok/step | gen tok/s | "
+        "trained real / forward tok/step | train real tok/s | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, comparison in results["models"].items():
         for kind in [kind for kind in COMPARISON_KINDS if kind in comparison]:
@@ -124,13 +140,21 @@ def table(results: dict) -> str:
             lines.append(
                 f"| {name} | {kind} | {r['step_s']:.3f} | {r['generation_s']:.3f} | {r['logprob_pass_s']:.3f} | "
                 f"{r['train_s']:.3f} | {r['completion_tokens_per_step']:.0f} | {r['generation_tokens_per_s']:.0f} | "
-                f"{memory} |"
+                f"{r['trained_real_tokens_per_step']:.0f} / {r['trained_forward_tokens_per_step']:.0f} | "
+                f"{r['training_real_tokens_per_s']:.0f} | {memory} |"
             )
         ratio = comparison.get("ratio")
         if ratio:
             lines.append(
                 f"| {name} | DAPO/TRL | {ratio.get('step_s', float('nan')):.3f} | {ratio.get('generation_s', float('nan')):.3f} "
-                f"| | {ratio.get('train_s', float('nan')):.3f} | | {ratio.get('generation_tokens_per_s', float('nan')):.1f}x | |"
+                f"| | {ratio.get('train_s', float('nan')):.3f} | | {ratio.get('generation_tokens_per_s', float('nan')):.1f}x "
+                "| | | |"
+            )
+        ratio = comparison.get("ratio_padding_free")
+        if ratio:
+            lines.append(
+                f"| {name} | padding-free/padded | {ratio['step_s']:.3f} | | | {ratio['train_s']:.3f} | | | | | "
+                f"{ratio.get('peak_memory_gib', float('nan')):.3f} |"
             )
     for name, comparison in results["models"].items():
         for kind in [kind for kind in COMPARISON_KINDS if kind in comparison]:
@@ -166,7 +190,8 @@ def main() -> None:
     parser.add_argument(
         "--variable-lengths", action="store_true",
         help="no min_new_tokens pin, 2,048-token vocabulary (default model qwen2.5-0.5b-v2048), --new-tokens 4096, "
-        "gradient checkpointing, 1 warm-up + 1 measured step, trainers dapo then trl, comparison section only",
+        "gradient checkpointing, 1 warm-up + 1 measured step, trainers dapo, dapo_padded then trl, comparison "
+        "section only",
     )  # fmt: skip
     parser.add_argument(
         "--steps", nargs="*", default=None,
@@ -174,6 +199,7 @@ def main() -> None:
         "--variable-lengths)",
     )  # fmt: skip
     parser.add_argument("--warmup", nargs="*", default=None, help="warm-up steps, as --steps; default 1")
+    parser.add_argument("--lora", type=int, default=0, help="comparison: a LoRA adapter of this rank (all linear)")
     parser.add_argument(
         "--sections", nargs="*", default=None, choices=["comparison", "variants"],
         help="comparison: TRL vs DAPO step; variants: DAPO with gradient checkpointing / LoRA / the old policy "
@@ -181,7 +207,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--kinds", nargs="*", choices=list(COMPARISON_KINDS), default=None,
-        help="comparison: the trainers to run, in this order (default: all; dapo, trl with --variable-lengths; "
+        help="comparison: the trainers to run, in this order (default: all; dapo, dapo_padded, trl with "
+        "--variable-lengths; "
         "on CPU, DAPO already uses TRL's path)",
     )  # fmt: skip
     parser.add_argument(
@@ -219,9 +246,9 @@ def main() -> None:
             tokenizer = word_tokenizer(AutoConfig.from_pretrained(config).vocab_size)
             prefix = str(output.path.parent / f"profile_{name}") if args.profile else None
             cuda_kinds = [k for k in COMPARISON_KINDS if device == "cuda" or k != "dapo_trl_generation"]
-            kinds = args.kinds or (["dapo", "trl"] if variable else cuda_kinds)
+            kinds = args.kinds or (["dapo", "dapo_padded", "trl"] if variable else cuda_kinds)
             comparison = results["models"][name] = {}
-            step_comparison(config, tokenizer, setup, kinds, warmup, steps, comparison, save, prefix)
+            step_comparison(config, tokenizer, setup, kinds, warmup, steps, comparison, save, prefix, args.lora)
             results["limits"][name] = limits(config, setup, comparison, ceilings)
             save()
     if "variants" in sections:

@@ -84,10 +84,16 @@ class StepProfiler(TrainerCallback):
         del self._profile, self._python
 
 
-def time_methods(trainer, sections: dict[str, list[tuple[int, float]]], generated: list[tuple[int, int]]) -> None:
+def time_methods(
+    trainer,
+    sections: dict[str, list[tuple[int, float]]],
+    generated: list[tuple[int, int]],
+    trained: list[tuple[int, int, int]],
+) -> None:
     """Time the trainer's own methods by wrapping them (device-synchronised): generation, the no-grad logprob pass,
     generation + scoring + bookkeeping, and whole micro-batch training steps (which contain the former). Each call is
-    recorded with the optimizer step it ran in; each generation call's completion tokens go to `generated`."""
+    recorded with the optimizer step it ran in; each generation call's completion tokens go to `generated`, and each
+    training forward's `(step, real tokens, padded tokens)` (rows x width of the batch it was handed) to `trained`."""
 
     def timed(name, function):
         def wrapper(*args, **kwargs):
@@ -96,17 +102,23 @@ def time_methods(trainer, sections: dict[str, list[tuple[int, float]]], generate
             result = function(*args, **kwargs)
             synchronize()
             key = name if name != "logps" else ("train_forward" if torch.is_grad_enabled() else "logprob_pass")
-            sections.setdefault(key, []).append((trainer.state.global_step, time.perf_counter() - start))
+            step = trainer.state.global_step
+            sections.setdefault(key, []).append((step, time.perf_counter() - start))
             if name == "generation":  # returns (completion ids, logprobs)
-                generated.append((trainer.state.global_step, sum(map(len, result[0]))))
+                generated.append((step, sum(map(len, result[0]))))
+            if key == "train_forward":  # (model, input_ids, attention_mask, ...)
+                input_ids, attention_mask = args[1], args[2]
+                trained.append((step, int(attention_mask.sum()), input_ids.numel()))
             return result
 
         return wrapper
 
+    # DAPO collects a generation batch in a method of its own (rounds call TRL's through `super()`)
+    collect = "_collect_generation_batch" if hasattr(trainer, "_collect_generation_batch") else None
     for name, method in [
         ("generation", "_generate_single_turn"),
         ("logps", "_get_per_token_logps_and_entropies"),
-        ("generate_and_score", "_generate_and_score_completions"),
+        ("generate_and_score", collect or "_generate_and_score_completions"),
         ("training_step", "training_step"),
     ]:
         setattr(trainer, method, timed(name, getattr(trainer, method)))

@@ -23,6 +23,7 @@ def add_batch_arguments(parser: argparse.ArgumentParser, new_tokens: int | None 
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=new_tokens, help="max_completion_length")
     parser.add_argument("--ga", type=int, default=4, help="gradient accumulation steps")
+    parser.add_argument("--prompt-words", type=int, default=24, help="words per prompt (one token each)")
     parser.add_argument("--output", default=None)
 
 
@@ -37,6 +38,7 @@ def batch_setup(args, device: str, pin_lengths: bool = True, gradient_checkpoint
         "generations": args.generations,
         "new_tokens": args.new_tokens,
         "ga": args.ga,
+        "prompt_words": args.prompt_words,
         "pin_lengths": pin_lengths,
         "gradient_checkpointing": gradient_checkpointing,
     }
@@ -98,9 +100,10 @@ def run_trainer(
     )
     sections: dict[str, list[tuple[int, float]]] = {}
     generated: list[tuple[int, int]] = []
+    trained: list[tuple[int, int, int]] = []
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    time_methods(trainer, sections, generated)
+    time_methods(trainer, sections, generated, trained)
     trainer.train()
     step_times = timer.times[measured.start : measured.stop]
     # each section's time in each measured step (a step may call a section several times, or not at all)
@@ -119,6 +122,11 @@ def run_trainer(
     # completion tokens generated per measured step: the sum of completion lengths (EOS included)
     completion_tokens = statistics.mean(sum(n for s, n in generated if s == step) for step in measured)
     generation, logprob_pass = mean.get("generation", 0.0), mean.get("logprob_pass", 0.0)
+    # training forwards' tokens per measured step: the real ones (prompt + completion), and the ones the forwards ran
+    # on (padded passes: rows x width of each micro-batch; padding-free passes: the real ones)
+    packed = getattr(trainer, "padding_free", False)
+    real_tokens = statistics.mean(sum(r for s, r, _ in trained if s == step) for step in measured)
+    padded_tokens = statistics.mean(sum(p for s, _, p in trained if s == step) for step in measured)
     result = {
         "step_s": step,
         "step_times_s": step_times,
@@ -137,6 +145,9 @@ def run_trainer(
             "optimizer_and_logging": mean_step - mean.get("training_step", 0.0),
         },
         "completion_tokens_per_step": completion_tokens,
+        "padding_free": packed,
+        "trained_real_tokens_per_step": real_tokens,
+        "trained_forward_tokens_per_step": real_tokens if packed else padded_tokens,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "metrics": metrics,
         "logprob_gap_max": max(gaps) if gaps else None,  # train vs rollout logprobs (DAPO logs it)
@@ -145,6 +156,7 @@ def run_trainer(
     }
     result["generation_tokens_per_s"] = completion_tokens / (generation or float("nan"))
     result["training_tokens_per_s"] = completion_tokens / result["train_s"]
+    result["training_real_tokens_per_s"] = real_tokens / result["train_s"]
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -5,10 +5,14 @@
   holds fewer rows than micro-batches and some micro-batches are empty;
 - `defaults`: `DAPOConfig`'s defaults (16 samples per prompt, 16 completions per device) with real generation;
 - `recomputed`: `scripted` with the old policy recomputed on each rank's rows and a sequence-level correction;
+- `scripted`, `partial` and `recomputed` train padding-free (`padding_free=True`: on the CPU the per-row reference
+  attention); `scripted_padded`, `recomputed_padded` the same with padded passes (`padding_free=False`), whose rows
+  are dealt to the ranks evenly by count (padding-free: by tokens, so the ranks' tokens are about equal);
 - `stream`, `stream_again`: streaming dynamic sampling on the paged engine (CPU), twice with the same seed.
 
-Writes, per set-up, the updated parameters, the accepted rollout rows (before the micro-batch shuffle) and the
-logged metrics, so the test can compare a 2-process run with a 1-process run of the same global batch.
+Writes, per set-up, the updated parameters, the accepted rollout rows (before the micro-batch shuffle), each rank's
+rows and loss tokens per micro-batch and the logged metrics, so the test can compare a 2-process run with a 1-process
+run of the same global batch, and padded with padding-free passes.
 """
 
 import os
@@ -34,26 +38,25 @@ def informative_by_prompt(completion_ids, index, **kwargs) -> list[float]:
 
 
 class RecordingDAPOTrainer(DAPOTrainer):
-    """Keeps the local share of each accepted generation batch, as handed to the micro-batch split, and the dataset
+    """Keeps each accepted generation batch (all ranks' rows), as handed to the micro-batch split, and the dataset
     indices of the dataloader's rows."""
 
     accepted: list
     dataloader: list
 
-    def _generate_and_score_completions(self, inputs):
-        batch = super()._generate_and_score_completions(inputs)
-        if self.model.training:
-            self.accepted.append({k: v.clone() for k, v in batch.items()})
-            self.dataloader.append([row["index"] for row in inputs])
+    def _collect_generation_batch(self, inputs):
+        batch = super()._collect_generation_batch(inputs)
+        self.accepted.append({k: v.clone() for k, v in batch.items()})
+        self.dataloader.append([row["index"] for row in inputs])
         return batch
 
 
 def trainers(model_path: str, output: str, world: int) -> dict[str, RecordingDAPOTrainer]:
     rollout = ScriptedRollout(AutoTokenizer.from_pretrained(model_path))
     common = dict(learning_rate=0.1, max_steps=1)
-    scripted = dapo_args(
-        output + ".scripted", per_device_train_batch_size=16 // world, gradient_accumulation_steps=2, **common
-    )
+    scripted_settings = dict(per_device_train_batch_size=16 // world, gradient_accumulation_steps=2, **common)
+    packed = dict(padding_free=True)
+    scripted = dapo_args(output + ".scripted", **scripted_settings, **packed)
     partial = dapo_args(
         output + ".partial",
         num_generations=2,
@@ -61,17 +64,16 @@ def trainers(model_path: str, output: str, world: int) -> dict[str, RecordingDAP
         gradient_accumulation_steps=4,
         max_num_gen_batches=1,
         **common,
+        **packed,
     )
     defaults = DAPOConfig(output_dir=output + ".defaults", max_completion_length=8, max_steps=1, **CPU_ARGS)
-    recomputed = dapo_args(
-        output + ".recomputed",
-        per_device_train_batch_size=16 // world,
-        gradient_accumulation_steps=2,
+    recomputed_settings = dict(
+        scripted_settings,
         old_logprobs="recompute",
         rollout_correction="sequence_truncate",
         rollout_correction_max=1.05,
-        **common,
     )
+    recomputed = dapo_args(output + ".recomputed", **recomputed_settings, **packed)
     stream = dict(
         num_generations=4, per_device_train_batch_size=8 // world, gradient_accumulation_steps=2,
         dynamic_sampling_mode="stream", rollout_engine="paged", rollout_max_rows=16, learning_rate=0.01,
@@ -81,6 +83,16 @@ def trainers(model_path: str, output: str, world: int) -> dict[str, RecordingDAP
     scripted_run = dict(reward_funcs=reward_by_prompt, train_dataset=arithmetic_prompts(40), rollout_func=rollout)
     return {
         "scripted": RecordingDAPOTrainer(model=model_path, args=scripted, **scripted_run),
+        "scripted_padded": RecordingDAPOTrainer(
+            model=model_path,
+            args=dapo_args(output + ".padded", padding_free=False, **scripted_settings),
+            **scripted_run,
+        ),
+        "recomputed_padded": RecordingDAPOTrainer(
+            model=model_path,
+            args=dapo_args(output + ".recomputed_padded", padding_free=False, **recomputed_settings),
+            **scripted_run,
+        ),
         "partial": RecordingDAPOTrainer(model=model_path, args=partial, **scripted_run),
         "defaults": RecordingDAPOTrainer(
             model=model_path, reward_funcs=first_token_parity, args=defaults, train_dataset=arithmetic_prompts(40)
@@ -93,8 +105,8 @@ def trainers(model_path: str, output: str, world: int) -> dict[str, RecordingDAP
     }
 
 
-def accepted_rows(trainer: RecordingDAPOTrainer, world: int) -> list:
-    rows = [
+def accepted_rows(trainer: RecordingDAPOTrainer) -> list:
+    return [
         (p[m.bool()].tolist(), c[cm.bool()].tolist(), float(a))
         for batch in trainer.accepted
         for p, m, c, cm, a in zip(
@@ -106,11 +118,14 @@ def accepted_rows(trainer: RecordingDAPOTrainer, world: int) -> list:
             strict=True,
         )
     ]
-    gathered = [rows]
+
+
+def every_rank(value, world: int) -> list:
+    gathered = [value]
     if world > 1:
         gathered = [None] * world
-        torch.distributed.all_gather_object(gathered, rows)
-    return [r for rank in gathered for r in rank]
+        torch.distributed.all_gather_object(gathered, value)
+    return gathered
 
 
 def main(model_path: str, output: str) -> None:
@@ -121,22 +136,20 @@ def main(model_path: str, output: str) -> None:
         if name.startswith("stream"):  # the trainers were all built first: start each stream run from its seed
             set_seed(trainer.args.seed)
         trainer.train()
-        rows = accepted_rows(trainer, world)
-        dataloader = trainer.dataloader[0]
-        if world > 1:
-            gathered = [None] * world
-            torch.distributed.all_gather_object(gathered, dataloader)
-            dataloader = [index for rank in gathered for index in rank]
-        micro_batch_rows = [int(mb["completion_ids"].size(0)) for mb in trainer._buffered_inputs]
+        dataloader = [index for rank in every_rank(trainer.dataloader[0], world) for index in rank]
+        passes = [[rows for rows in mb.passes if rows is not None] for mb in trainer._buffered_inputs]
+        micro_batch_rows = [sum(int(rows["completion_ids"].size(0)) for rows in mb) for mb in passes]
+        micro_batch_tokens = [sum(int(rows["completion_mask"].sum()) for rows in mb) for mb in passes]
         results[name] = {
             "parameters": {
                 k: v.detach().cpu() for k, v in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
             },
-            "rows": rows,
+            "rows": accepted_rows(trainer),
             "metrics": [h for h in trainer.state.log_history if "dapo/gen_batches" in h],
             "global_step": trainer.state.global_step,
             "generation_batch_size": trainer.args.generation_batch_size,
-            "micro_batch_rows": micro_batch_rows,
+            "micro_batch_rows": every_rank(micro_batch_rows, world),
+            "micro_batch_tokens": every_rank(micro_batch_tokens, world),
             "dataloader": dataloader,
             "index_of_prompt": {
                 tuple(ids): row["index"]

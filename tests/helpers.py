@@ -69,3 +69,12 @@ def launch_worker(script: str, processes: int, model: str, output: Path) -> None
     ]  # fmt: skip
     result = subprocess.run(command, cwd=TESTS, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def trained_rows(trainer, micro_batches=None) -> dict:
+    """The rows of `micro_batches` (default: the whole buffered generation batch) as one padded batch, in pass order."""
+    from trl_dapo.sampling.rollout_batch import concat_rollouts
+
+    micro_batches = trainer._buffered_inputs if micro_batches is None else micro_batches
+    passes = [rows for micro_batch in micro_batches for rows in micro_batch.passes if rows is not None]
+    return concat_rollouts(passes, trainer._tokenizer.pad_token_id)

@@ -46,16 +46,36 @@ def test_two_ranks_make_the_same_parameter_update_as_one(runs, tiny_model):
 
 @pytest.mark.distributed
 def test_a_partial_batch_with_empty_micro_batches_makes_the_same_update_on_two_ranks(runs, tiny_model):
-    """Fewer informative groups than the batch needs, and fewer rows per rank than micro-batches: the empty
-    micro-batches come first in the optimizer step, so its last one synchronises the gradients across ranks."""
+    """Fewer informative groups than the batch needs, and fewer rows per rank than micro-batches: micro-batches no rank
+    has rows for come first in the optimizer step, so its last one synchronises the gradients across ranks."""
     one, two = (run["partial"] for run in runs)
     metrics = two["metrics"][0]
     assert metrics["dapo/partial_batch"] == 1.0 and 1 <= metrics["dapo/qualified_groups"] <= 3
-    rows_per_rank = int(metrics["dapo/qualified_groups"])  # 2 samples per group, 2 ranks
-    assert sorted(two["micro_batch_rows"]) == [0] * (4 - rows_per_rank) + [1] * rows_per_rank
-    assert two["micro_batch_rows"][-1] == 1  # the last micro-batch of the step has a row
+    rows = two["micro_batch_rows"]  # per rank, per micro-batch
+    assert sum(map(sum, rows)) == 2 * int(metrics["dapo/qualified_groups"])  # 2 samples per group
+    assert 0 in rows[0]  # some micro-batches are empty on a rank
+    assert all(rank_rows[-1] >= 1 for rank_rows in rows if sum(rank_rows))  # the step's last one trains rows
     assert one["rows"] == two["rows"]
     assert_same_update(one, two, tiny_model)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", ["scripted", "recomputed"])
+def test_padding_free_and_padded_passes_make_the_same_update_on_one_and_two_ranks(runs, tiny_model, run):
+    """Padded, the step's rows are dealt to the ranks evenly by count, so the ranks train unequal token counts;
+    padding-free, by tokens, so about equal ones. The update (and the old policy each rank recomputes for its own rows)
+    must be the same whatever the deal, and the same as on one rank; so must the step's metrics."""
+    for world in runs:
+        assert world[run]["rows"] == world[run + "_padded"]["rows"]
+        assert_same_update(world[run + "_padded"], world[run], tiny_model)
+    packed, padded = runs[1][run], runs[1][run + "_padded"]
+    assert [sum(rank) for rank in padded["micro_batch_rows"]] == [16, 16]
+    padded_tokens = [sum(rank) for rank in padded["micro_batch_tokens"]]
+    packed_tokens = [sum(rank) for rank in packed["micro_batch_tokens"]]
+    assert padded_tokens[0] != padded_tokens[1] and sum(padded_tokens) == sum(packed_tokens)
+    assert abs(packed_tokens[0] - packed_tokens[1]) <= 8  # balanced within one completion's length
+    for name in ("loss", "entropy", "ratio_mean", "ratio_std", "clip_ratio/region_mean", "logprob_gap_max"):
+        assert packed["metrics"][0][name] == pytest.approx(padded["metrics"][0][name], rel=1e-4, abs=1e-6), name
 
 
 @pytest.mark.distributed

@@ -19,6 +19,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_dapo import DAPOConfig, DAPOTrainer
 from trl_dapo.testing import build_tiny_model
+from trl_dapo.trainer.micro_batches import MicroBatch
+from trl_dapo.trainer.step_metrics import StepMetrics
 
 PROMPTS = ["Beautiful is better than", "Explicit is", "Simple is better", "Complex", "Flat is better than", "Sparse"]
 
@@ -201,7 +203,8 @@ def test_mixture_of_experts_trains_and_logs_trls_aux_loss(moe_model, tmp_path):
 
 def test_mixture_of_experts_aux_loss_is_scaled_as_trl_scales_it(moe_model, tmp_path):
     """With zero advantages both policy losses are 0, so each trainer's loss is its router term alone: DAPO's must
-    be TRL's, coef x aux / gradient accumulation steps, with the same logged aux_loss."""
+    be TRL's, coef x aux / gradient accumulation steps (for DAPO: the optimizer step's passes, here one per
+    micro-batch), with the same logged aux_loss."""
     generator = torch.Generator().manual_seed(0)
     completion_ids = torch.randint(3, 300, (4, 5), generator=generator)
     inputs = {
@@ -212,7 +215,6 @@ def test_mixture_of_experts_aux_loss_is_scaled_as_trl_scales_it(moe_model, tmp_p
         "advantages": torch.zeros(4),
         "old_per_token_logps": torch.full((4, 5), -6.0),
         "num_items_in_batch": torch.tensor(20.0),  # TRL's key
-        "step_loss_tokens": torch.tensor(20.0),  # DAPO's key
     }
     settings = dict(max_completion_length=8, report_to="none", use_cpu=True, bf16=False, num_generations=4)
     losses, aux = {}, {}
@@ -224,8 +226,13 @@ def test_mixture_of_experts_aux_loss_is_scaled_as_trl_scales_it(moe_model, tmp_p
             train_dataset=standard_prompts(),
         )
         trainer.model.train()
-        trainer.current_gradient_accumulation_steps = 2
-        losses[kind] = trainer._compute_loss(trainer.model, inputs).item()
+        if kind == "dapo":  # an optimizer step of two micro-batches, one pass each, the same rows
+            metrics = StepMetrics()
+            step = [MicroBatch([dict(inputs)], torch.tensor(40.0), 2, metrics, last) for last in (False, True)]
+            losses[kind] = [trainer._compute_loss(trainer.model, micro_batch).item() for micro_batch in step][-1]
+        else:
+            trainer.current_gradient_accumulation_steps = 2
+            losses[kind] = trainer._compute_loss(trainer.model, inputs).item()
         aux[kind] = trainer._metrics["train"]["aux_loss"][-1]
     model = AutoModelForCausalLM.from_pretrained(moe_model)
     input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
@@ -281,6 +288,7 @@ PINNED_SIGNATURES = {
     "_compute_loss": "self, model, inputs",
     "_save_checkpoint": "self, model, trial",
     "_load_optimizer_and_scheduler": "self, checkpoint",
+    "log": "self, logs, start_time=None",
     "_get_per_token_logps_and_entropies": "self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, "
     "compute_entropy=False, compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, "
     "pixel_attention_mask=None, spatial_shapes=None, num_tiles=None, image_sizes=None, token_type_ids=None, "

@@ -25,8 +25,8 @@ def reward_by_prompt(completion_ids, index, **kwargs) -> list[float]:
 class RecordingTrainer(DAPOTrainer):
     """Keeps the dataloader's batch, the accepted batch and the groups carried in flight of each generation batch."""
 
-    def _generate_and_score_completions(self, inputs):
-        batch = super()._generate_and_score_completions(inputs)
+    def _collect_generation_batch(self, inputs):
+        batch = super()._collect_generation_batch(inputs)
         if self.model.training:
             batch_copy = {k: v.clone() for k, v in batch.items()}
             self.record.append(([row["index"] for row in inputs], batch_copy, list(self.sampling_buffer.carried)))

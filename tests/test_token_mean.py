@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import arithmetic_prompts, dapo_args, length_reward
+from helpers import arithmetic_prompts, dapo_args, length_reward, trained_rows
 from trl_dapo import DAPOTrainer
 from trl_dapo.testing import ScriptedRollout
 
@@ -35,8 +35,9 @@ def pad_right(tensors, value):
     return torch.cat([torch.nn.functional.pad(t, (0, width - t.size(1)), value=value) for t in tensors])
 
 
-def reference_sgd_step(model, micro_batches, eps_low=0.2, eps_high=0.28, clip_c=10.0) -> int:
-    """One SGD step on the concatenation of `micro_batches`: Σ token losses / token count, written out by hand."""
+def reference_sgd_step(model, batch, eps_low=0.2, eps_high=0.28, clip_c=10.0) -> int:
+    """One SGD step on `batch`'s rows: Σ token losses / token count, written out by hand."""
+    micro_batches = [batch]
     prompt = torch.cat([mb["prompt_ids"] for mb in micro_batches])
     assert all(mb["prompt_mask"].all() for mb in micro_batches), "test prompts must need no padding"
     completion = pad_right([mb["completion_ids"] for mb in micro_batches], 0)
@@ -65,18 +66,26 @@ def assert_same_parameters(model_a, model_b, atol=1e-6):
         torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), atol=atol, rtol=0, msg=name)
 
 
-def test_one_step_is_the_same_for_one_big_batch_and_uneven_micro_batches(tiny_model, tmp_path):
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding-free"])
+def test_one_step_is_the_same_for_one_big_batch_and_uneven_micro_batches(tiny_model, tmp_path, padding_free):
+    """Micro-batches of uneven token counts; padding-free, with a cap of 40 tokens (a prompt is 26), one row per pass
+    and two passes per micro-batch: either way the step's update is the one big batch's."""
     big = train(
         tiny_model, tmp_path / "big", per_device_train_batch_size=16, gradient_accumulation_steps=1, max_steps=1
     )
+    cap = dict(padding_free_max_tokens=40) if padding_free else {}
     small = train(
-        tiny_model, tmp_path / "small", per_device_train_batch_size=2, gradient_accumulation_steps=8, max_steps=1
-    )
-    counts = [int(mb["completion_mask"].sum()) for mb in small._buffered_inputs]
+        tiny_model, tmp_path / "small", per_device_train_batch_size=2, gradient_accumulation_steps=8, max_steps=1,
+        padding_free=padding_free, **cap,
+    )  # fmt: skip
+    micro_batches = small._buffered_inputs
+    counts = [int(trained_rows(small, [mb])["completion_mask"].sum()) for mb in micro_batches]
     assert len(set(counts)) > 1, f"micro-batches should carry uneven token counts, got {counts}"
+    if padding_free:
+        assert [len(mb.passes) for mb in micro_batches] == [2] * 8  # the cap split micro-batches into passes
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_model)
-    reference_sgd_step(reference, small._buffered_inputs)
+    reference_sgd_step(reference, trained_rows(small))
     assert_same_parameters(small.model, reference)
     assert_same_parameters(big.model, reference)
 
@@ -92,10 +101,10 @@ def test_two_optimizer_steps_of_one_generation_batch_each_use_their_own_token_co
     )
     micro_batches = trainer._buffered_inputs
     reference = AutoModelForCausalLM.from_pretrained(tiny_model)
-    first = reference_sgd_step(reference, micro_batches[:2])
-    second = reference_sgd_step(reference, micro_batches[2:])
+    first = reference_sgd_step(reference, trained_rows(trainer, micro_batches[:2]))
+    second = reference_sgd_step(reference, trained_rows(trainer, micro_batches[2:]))
     assert first != second, "the test needs steps with different token counts to tell the normalisers apart"
-    assert [int(mb["step_loss_tokens"]) for mb in micro_batches] == [first, first, second, second]
+    assert [int(mb.step_tokens) for mb in micro_batches] == [first, first, second, second]
     assert_same_parameters(trainer.model, reference)
 
 

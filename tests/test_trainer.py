@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from helpers import arithmetic_prompts, dapo_args, first_token_parity, length_reward
+from helpers import arithmetic_prompts, dapo_args, first_token_parity, length_reward, trained_rows
 from trl_dapo import DAPOTrainer
 from trl_dapo.integrity import RolloutIntegrityError
 from trl_dapo.rewards import soft_overlong_penalty
@@ -17,7 +17,9 @@ from trl_dapo.sampling.rollout_batch import OLD_LOGPROBS_STEP
 from trl_dapo.testing import ScriptedRollout
 from trl_dapo.trainer.batch_metrics import trained_batch_metric_names
 from trl_dapo.trainer.handoff import HandOff
-from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE, STEP_TOKENS, _RoundProgress
+from trl_dapo.trainer.micro_batches import MicroBatch
+from trl_dapo.trainer.step_metrics import StepMetrics
+from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE, _RoundProgress
 
 DAPO_METRICS = [
     "clip_ratio/low_mean",
@@ -163,7 +165,8 @@ def test_a_step_without_informative_groups_is_skipped(tiny_model, tmp_path, capl
     for parameters, moments in skipped:
         assert all(torch.equal(parameters[name], value) for name, value in trained[0].items())
         assert all(torch.equal(moments[key], value) for key, value in trained[1].items())
-    assert logged(trainer, "dapo/skipped_steps") == [0.0, float(num_iterations)]
+    # a running count, logged with every step as it stands (TRL's metrics are averaged over the logging window)
+    assert logged(trainer, "dapo/skipped_steps") == [0.0] * num_iterations + list(range(1, num_iterations + 1))
     assert logged(trainer, "dapo/qualified_groups")[1] == 0 and logged(trainer, "dapo/gen_batches")[1] == 2
     assert (
         f"{num_iterations} of the {num_iterations} optimizer steps of this generation batch have no rollout rows"
@@ -199,8 +202,9 @@ def test_train_on_partial_uses_the_groups_found_and_their_token_count(tiny_model
     metrics = trainer.state.log_history[0]
     assert metrics["dapo/partial_batch"] == 1.0 and metrics["dapo/qualified_groups"] == 1
     (micro_batch,) = trainer._buffered_inputs
-    assert micro_batch["completion_ids"].size(0) == 4  # one group, not padded up to four
-    assert int(micro_batch["step_loss_tokens"]) == int(micro_batch["completion_mask"].sum())
+    rows = trained_rows(trainer)
+    assert rows["completion_ids"].size(0) == 4  # one group, not padded up to four
+    assert int(micro_batch.step_tokens) == int(rows["completion_mask"].sum())
 
 
 def test_overlong_penalty_enters_the_reward_before_advantages(tiny_model, tmp_path):
@@ -208,7 +212,7 @@ def test_overlong_penalty_enters_the_reward_before_advantages(tiny_model, tmp_pa
         tiny_model, tmp_path, scripted=True, dynamic_sampling=False, overlong_buffer_len=4, max_steps=1
     )
     trainer.train()
-    (batch,) = trainer._buffered_inputs
+    batch = trained_rows(trainer)
     lengths = batch["completion_mask"].sum(dim=1)
     penalty = soft_overlong_penalty(lengths, 8, 4)
     assert logged(trainer, "dapo/overlong_penalty_mean")[0] == pytest.approx(penalty.mean().item(), abs=1e-6)
@@ -307,7 +311,7 @@ def test_the_filter_reads_the_metric_it_is_told(tiny_model, tmp_path, metric, we
     if kept == "none":
         assert logged(trainer, "dapo/skipped_steps") == [1.0]
         return
-    assert trainer._buffered_inputs[0]["advantages"].abs().sum() > 0
+    assert trained_rows(trainer)["advantages"].abs().sum() > 0
     # TRL's reward metrics describe the trained groups (rewards 1 + 0/1 alternating), not the candidates, where
     # (generated - varied) of the groups had zero std
     assert logged(trainer, "frac_reward_zero_std") == [0.0]
@@ -395,8 +399,8 @@ def test_resume_gives_the_same_next_batch_and_parameters(tiny_model, tmp_path, s
 
     resumed = make_trainer(tiny_model, tmp_path / "resumed", **settings)
     resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))
-    for key, value in straight._buffered_inputs[0].items():
-        torch.testing.assert_close(resumed._buffered_inputs[0][key], value, msg=key)
+    for key, value in trained_rows(straight).items():
+        torch.testing.assert_close(trained_rows(resumed)[key], value, msg=key)
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
 
@@ -442,7 +446,7 @@ def test_truncated_ratio_counts_the_completions_without_eos(tiny_model, tmp_path
     )
     trainer.train()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    (batch,) = trainer._buffered_inputs
+    batch = trained_rows(trainer)
     real = batch["completion_ids"] != tokenizer.pad_token_id  # scripted tokens are never the pad token
     last = batch["completion_ids"].gather(1, (real.sum(dim=1, keepdim=True) - 1))
     expected = (last.squeeze(1) != tokenizer.eos_token_id).float().mean().item()
@@ -496,7 +500,7 @@ def test_fp16_cannot_skip_a_step_and_says_so(tiny_model, tmp_path):
     no_rows = torch.zeros(0, 3, dtype=torch.long)
     empty = {"prompt_ids": no_rows, "prompt_mask": no_rows, "completion_ids": no_rows, "completion_mask": no_rows}
     with pytest.raises(ValueError, match="fp16's gradient scaler cannot step without gradients"):
-        trainer._split_into_micro_batches(empty)
+        trainer._micro_batches(empty)
 
 
 def test_a_hand_off_is_read_once_and_never_stale():
@@ -541,7 +545,7 @@ def test_the_recomputed_old_policy_and_its_correction_reach_the_loss(tiny_model,
         old_logprobs="recompute", rollout_correction=mode, rollout_correction_max=cap,
     )  # fmt: skip
     trainer.train()
-    (batch,) = trainer._buffered_inputs
+    batch = trained_rows(trainer)
     mask = batch["completion_mask"].float()
     old, sampled = batch["old_per_token_logps"], batch["sampling_per_token_logps"]
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
@@ -582,29 +586,38 @@ def test_recompute_reuses_trls_pass_and_refreshes_surplus_rows(tiny_model, tmp_p
     trainer.add_callback(snapshots)
     trainer.train()
     assert logged(trainer, "dapo/surplus_groups_used") == [0, 4]
-    assert no_grad_calls == [(0, 32), (2, 16)]  # TRL's pass over the round; ours over the surplus rows only
+    # TRL's pass over the round; ours over the surplus rows only: the two steps' passes of 8 rows
+    assert no_grad_calls == [(0, 32), (2, 8), (2, 8)]
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     model.load_state_dict(snapshots.steps[1][0], strict=False)  # the weights after two updates
-    for batch in trainer._buffered_inputs:
+    for micro_batch in trainer._buffered_inputs:
+        batch = trained_rows(trainer, [micro_batch])
         mask = batch["completion_mask"].float()
         expected = teacher_forced_logprobs(model, batch) * mask
         torch.testing.assert_close(batch["old_per_token_logps"] * mask, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_every_rank_runs_the_recompute_pass_over_as_many_rows(tiny_model, tmp_path, monkeypatch):
-    """A sharded model (ZeRO-3, FSDP) gathers weights in each forward with every rank taking part, so a rank with 2
-    stale rows must run over as many rows as the rank that needs most (6 here, that rank emulated by the max
-    reduction): its 2 stale rows are recomputed, the 4 fillers are computed and their logprobs kept."""
+def test_every_rank_runs_each_recompute_pass_some_rank_needs(tiny_model, tmp_path, monkeypatch):
+    """A sharded model (ZeRO-3, FSDP) gathers weights in each forward with every rank taking part, so a rank runs every
+    pass that holds a stale row on any rank (emulated by the max reduction): its own stale rows are recomputed, its
+    other rows computed and their logprobs kept, and where it has no rows for that pass it runs an empty one."""
     trainer = make_trainer(
-        tiny_model, tmp_path, scripted=True, dynamic_sampling=False, max_steps=1, old_logprobs="recompute"
-    )
+        tiny_model, tmp_path, scripted=True, dynamic_sampling=False, max_steps=1, old_logprobs="recompute",
+        per_device_train_batch_size=8, gradient_accumulation_steps=2,
+    )  # fmt: skip
     trainer.train()
-    (batch,) = trainer._buffered_inputs
+    batch = trained_rows(trainer)
     mask = batch["completion_mask"].float()
     step = trainer.state.global_step
     kept = torch.full_like(mask, -1.0) * mask  # a value no forward pass gives, on the rows that keep theirs
-    batch = {k: v for k, v in batch.items() if k != STEP_TOKENS}  # as it is before the micro-batch split
-    batch.update(old_per_token_logps=kept, **{OLD_LOGPROBS_STEP: torch.tensor([step] * 2 + [-1] * 2 + [step] * 4)})
+    first = {key: value[:4].clone() for key, value in batch.items()}
+    second = {key: value[4:8].clone() for key, value in batch.items()}
+    first.update(old_per_token_logps=kept[:4], **{OLD_LOGPROBS_STEP: torch.tensor([step, -1, -1, step])})
+    second.update(old_per_token_logps=kept[4:8], **{OLD_LOGPROBS_STEP: torch.tensor([step] * 4)})
+    micro_batches = [
+        MicroBatch([first, None], batch["advantages"].new_ones(()), 3, StepMetrics(), False),
+        MicroBatch([second], batch["advantages"].new_ones(()), 3, StepMetrics(), True),
+    ]
     forwarded = []
     forward = trainer._get_per_token_logps_and_entropies
 
@@ -613,9 +626,10 @@ def test_every_rank_runs_the_recompute_pass_over_as_many_rows(tiny_model, tmp_pa
         return forward(model, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", counted)
-    monkeypatch.setattr(trainer.accelerator, "reduce", lambda tensor, reduction: torch.tensor(6))
-    old = trainer._with_old_policy(batch)["old_per_token_logps"]
-    assert forwarded == [6]
+    monkeypatch.setattr(trainer.accelerator, "reduce", lambda tensor, reduction: torch.ones_like(tensor))
+    trainer._with_old_policy(micro_batches)
+    assert forwarded == [4, 1, 4]  # the first pass, an empty one, the second pass (stale on another rank)
     expected = teacher_forced_logprobs(trainer.model, batch) * mask
-    torch.testing.assert_close(old[2:4], expected[2:4], atol=1e-5, rtol=1e-5)
-    assert torch.equal(old[[0, 1, 4, 5, 6, 7]], kept[[0, 1, 4, 5, 6, 7]])
+    old = torch.cat([first["old_per_token_logps"], second["old_per_token_logps"]])
+    torch.testing.assert_close(old[1:3], expected[1:3], atol=1e-5, rtol=1e-5)
+    assert torch.equal(old[[0, 3, 4, 5, 6, 7]], kept[[0, 3, 4, 5, 6, 7]])

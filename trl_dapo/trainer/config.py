@@ -166,6 +166,19 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         rollout_correction_min (`float` or `None`, *optional*, defaults to `None`):
             The lower end: truncate clamps ρ from below at it too, mask drops tokens below it. `None`: no lower cap
             when truncating (TIS caps from above only), `1 / rollout_correction_max` when masking. IcePop uses 0.5.
+        padding_free (`bool` or `None`, *optional*, defaults to `None`):
+            The training passes (the loss's forward and backward, the old policy's recomputation, TRL's logprob
+            passes and evaluation scoring) run on packed rows: each pass's prompts and completions concatenated with
+            no padding, positions restarting on each row, attention kept within each row (PyTorch's variable-length
+            flash attention on CUDA in bf16/fp16; elsewhere one SDPA call per row). Each optimizer step's rows are
+            dealt to the ranks and to their passes by tokens rather than by rows. `None` turns it on where flash
+            attention runs (CUDA with bf16 or fp16), since elsewhere the per-row calls cost more than the padding
+            they save on short rows; `False` keeps padded passes: rows split evenly by count, each micro-batch padded
+            to its longest row. Where the model cannot run packed (see the log), the padded passes run.
+        padding_free_max_tokens (`int` or `None`, *optional*, defaults to `None`):
+            Most tokens (prompt and completion) in one padding-free pass on one device, like verl's
+            `ppo_max_token_len_per_gpu`: a micro-batch with more runs as several forward/backward passes, and a row
+            longer than the cap trains alone. `None`: one pass per micro-batch (its share of the step's tokens).
     """
 
     epsilon: float = field(default=0.2, metadata={"help": "Lower clip range ε_low."})
@@ -249,6 +262,16 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     )
     rollout_correction_min: float | None = field(
         default=None, metadata={"help": "Lower cap / band end; None = none (truncate), 1/max (mask)."}
+    )
+    padding_free: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Train on packed rows (no padding), micro-batches balanced by tokens; None: where flash attention "
+            "runs (CUDA, bf16/fp16)."
+        },
+    )
+    padding_free_max_tokens: int | None = field(
+        default=None, metadata={"help": "Most tokens per padding-free forward/backward pass; None = no cap."}
     )
 
     def __post_init__(self) -> None:
@@ -372,6 +395,15 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 "overlong_penalty_factor", self.overlong_penalty_factor, "use a non-negative value (DAPO: 1.0)."
             )
         self._validate_old_policy()
+        if self.padding_free_max_tokens is not None:
+            if self.padding_free is False:
+                raise _bad(
+                    "padding_free_max_tokens",
+                    self.padding_free_max_tokens,
+                    "it caps padding-free passes: set padding_free=True (or None) or leave it None.",
+                )
+            if self.padding_free_max_tokens < 1:
+                raise _bad("padding_free_max_tokens", self.padding_free_max_tokens, "use a positive token count.")
 
     def _validate_sampling_mode(self) -> None:
         """Stream mode and its settings; a stream setting without stream mode would be ignored."""

@@ -18,6 +18,7 @@ Hooks overridden, and why:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -29,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 from datasets import IterableDataset
 from torch import nn
 from tqdm.auto import tqdm
@@ -37,7 +38,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import is_async_callable, shuffle_sequence_dict
+from trl.trainer.utils import is_async_callable
 
 from ..integrity import RolloutIntegrityError, check_completions, check_groups, check_rewards
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
@@ -60,22 +61,21 @@ from ..sampling.rollout_batch import (
     loss_mask,
     num_rows,
     rollout_logprobs,
-    select_rows,
-    shard_rows,
-    trim_padding,
 )
 from ..sampling.stream import GroupStream, StreamedGroup
 from .batch_metrics import trained_batch_metric_names, trained_batch_metrics
 from .config import DAPOConfig
 from .handoff import HandOff
 from .loss import active_mean, dapo_policy_loss
-from .mismatch import MismatchMetrics, mismatch_metrics, rollout_correction
+from .micro_batches import MicroBatch, split_generation_batch
+from .mismatch import mismatch_metrics, rollout_correction
+from .packed_attention import enable_packed_attention, packed_forward_context, why_model_cannot_pack
+from .packing import pack_rows, unpack_scores
+from .step_metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
 
 SAMPLING_STATE_FILE = "dapo_sampling_state.pt"
-# The micro-batch key holding the loss-token count of its whole optimizer step (all micro-batches, all ranks).
-STEP_TOKENS = "step_loss_tokens"
 # Keys TRL may return that carry nothing DAPO needs once the rollout logprobs are recorded.
 DROPPED_KEYS = ("num_items_in_batch", "sampling_per_token_logps", "importance_sampling_ratio")
 
@@ -152,6 +152,7 @@ class DAPOTrainer(GRPOTrainer):
             else None
         )
         self.rollout_engine = select_rollout_engine(self)
+        self.padding_free = self._set_up_padding_free()
         self._engine_weights_step: int | None = None
         self._engine_logprobs: HandOff[torch.Tensor] = HandOff("engine logprobs")
         self._round_scores: HandOff[RoundScores] = HandOff("round scores")
@@ -162,6 +163,25 @@ class DAPOTrainer(GRPOTrainer):
             self._check_stream_set_up()
         self._trained_batch_metric_names = trained_batch_metric_names(self.reward_func_names)
         self._skipped_steps = 0
+
+    def _set_up_padding_free(self) -> bool:
+        """Whether the training passes run packed (`padding_free`; None: where flash attention runs); where the
+        model cannot, say why once."""
+        args = self.args
+        model = self.accelerator.unwrap_model(self.model)
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        half = args.bf16 or args.fp16 or model.dtype in (torch.bfloat16, torch.float16)
+        reason = why_model_cannot_pack(model, self._is_vlm)
+        if args.padding_free is None and not (self.accelerator.device.type == "cuda" and half):
+            reason = "padding_free=None packs where flash attention runs (CUDA with bf16 or fp16)"
+        if reason is None and args.padding_free is not False:
+            enable_packed_attention(model)
+            return True
+        if args.padding_free is not False:
+            cap = " (padding_free_max_tokens does not apply)" if args.padding_free_max_tokens else ""
+            level = logging.INFO if args.padding_free is None and not cap else logging.WARNING
+            logger.log(level, "Training passes are padded%s: %s.", cap, reason)
+        return False
 
     def _check_datasets(self) -> None:
         """Fail at construction, not at the first step: prompts must be there, and enough for one generation batch
@@ -274,13 +294,12 @@ class DAPOTrainer(GRPOTrainer):
         lengths, truncated = self.accelerator.gather(local).unbind(dim=1)
         return RoundScores(rewards_per_func, lengths, truncated.bool())
 
-    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
-        if not self.model.training:
-            return super()._generate_and_score_completions(inputs)
+    def _collect_generation_batch(self, inputs: list[dict[str, Any]]) -> RolloutBatch:
+        """The global generation batch (every rank's rows): one round, or dynamic sampling's kept groups."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         if not self.args.dynamic_sampling:
             batch, _, _ = self._rollout_round(inputs, trained_as_generated=True)
-            return self._with_old_policy(shard_rows(batch, rank, world))
+            return batch
         target = self.args.generation_batch_size // self.num_generations
         group_multiple = world // math.gcd(self.num_generations, world)
         if self.args.dynamic_sampling_mode == "stream":
@@ -317,7 +336,7 @@ class DAPOTrainer(GRPOTrainer):
         self._log_sampling(stats)
         if num_rows(batch):
             self._log_trained_batch(batch)
-        return self._with_old_policy(shard_rows(batch, rank, world))
+        return batch
 
     def _stream_groups(
         self, inputs: list[dict[str, Any]], missing: int, target: int, group_multiple: int
@@ -568,41 +587,40 @@ class DAPOTrainer(GRPOTrainer):
             recomputed = self._no_grad_logprobs(output)
         return recomputed, recomputed
 
-    def _no_grad_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """The training model's logprobs of the completion tokens: one no-grad forward pass, micro-batched like the
-        training forward."""
-        prompt_completion_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    def _no_grad_logprobs(self, batch: RolloutBatch | None) -> torch.Tensor:
+        """The training model's logprobs of the completion tokens: no-grad forward passes of at most
+        `per_device_train_batch_size` rows (padding-free: `padding_free_max_tokens` tokens when set). `None`: an
+        empty pass, run for the collectives of the ranks that have rows."""
+        input_ids, attention_mask, width = _forward_inputs(self._empty_pass() if batch is None else batch)
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model,
-                prompt_completion_ids,
-                attention_mask,
-                batch["completion_ids"].size(1),
-                batch_size=self.args.per_device_train_batch_size,
+                self.model, input_ids, attention_mask, width, batch_size=self.args.per_device_train_batch_size
             )
         return logps
 
-    def _with_old_policy(self, batch: RolloutBatch) -> RolloutBatch:
+    def _with_old_policy(self, micro_batches: list[MicroBatch]) -> None:
         """With `old_logprobs="recompute"`, this rank's rows get the training model's logprobs under the current
         weights as their old policy, before any update of the generation batch. Rows whose logprobs a pass of this
         step's rounds already computed keep them (never computed twice); the others (engine, vLLM or rollout_func
-        rounds, surplus groups of an earlier step) get one no-grad forward pass over their trimmed rows.
+        rounds, surplus groups of an earlier step) get a no-grad forward over the training passes that hold them.
 
-        Every rank runs the pass over as many rows, the most any rank needs (its own first, then rows it keeps):
-        a sharded model (ZeRO-3, FSDP) gathers its weights in each forward, with every rank taking part."""
-        if OLD_LOGPROBS_STEP not in batch:
-            return batch
-        stale = batch.pop(OLD_LOGPROBS_STEP) != self.state.global_step
-        count = int(self.accelerator.reduce(stale.sum(), reduction="max"))  # one synchronisation
-        if count:
-            rows = torch.argsort(stale.int(), descending=True, stable=True)[:count]
-            logps = self._no_grad_logprobs(trim_padding([select_rows(batch, rows)])[0])
-            old = batch["old_per_token_logps"]
-            logps = F.pad(logps, (0, old.size(1) - logps.size(1))).to(old.dtype)
-            logps = torch.where(stale[rows].unsqueeze(1), logps, old[rows])
-            batch["old_per_token_logps"] = torch.where(loss_mask(batch).bool(), old.index_copy(0, rows, logps), 0.0)
-        return batch
+        A pass is run where any rank's pass holds such a row, by every rank (an empty pass where it has no rows): a
+        sharded model (ZeRO-3, FSDP) gathers its weights in each forward, with every rank taking part."""
+        passes = [rows for micro_batch in micro_batches for rows in micro_batch.passes]
+        if not passes or OLD_LOGPROBS_STEP not in next((rows for rows in passes if rows is not None), {}):
+            return
+        stale = [None if rows is None else rows.pop(OLD_LOGPROBS_STEP) != self.state.global_step for rows in passes]
+        local = torch.stack([torch.zeros((), dtype=torch.bool) if s is None else s.any().cpu() for s in stale])
+        needed = self.accelerator.reduce(local.to(self.accelerator.device).int(), reduction="max").bool().tolist()
+        for rows, row_stale, run in zip(passes, stale, needed, strict=True):
+            if not run:
+                continue
+            if rows is None:
+                self._no_grad_logprobs(None)
+                continue
+            old = rows["old_per_token_logps"]
+            logps = self._no_grad_logprobs(rows).to(old.dtype)
+            rows["old_per_token_logps"] = torch.where(loss_mask(rows).bool() & row_stale.unsqueeze(1), logps, old)
 
     # ------------------------------------------------------------------------------------------------- metrics
 
@@ -642,93 +660,237 @@ class DAPOTrainer(GRPOTrainer):
         for name, value in zip(names, values.tolist(), strict=True):
             self._metrics[mode][name].append(value)
 
+    def _log_step_metrics(self, mode: str, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(value)
+
     def _log_sampling(self, stats: SamplingStats) -> None:
         for name, value in stats.metrics().items():
             self._metrics["train"][name].append(float(value))
 
     # ------------------------------------------------------------------------------------------- micro-batches
 
-    def _prepare_inputs(self, generation_batch: Any) -> dict[str, torch.Tensor | Any]:
+    def _prepare_inputs(self, generation_batch: Any) -> MicroBatch | dict[str, torch.Tensor | Any]:
         if not self.model.training:
-            return super()._prepare_inputs(generation_batch)
+            return super()._prepare_inputs(generation_batch)  # TRL's evaluation batch, scored as one pass
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
-            batch = shuffle_sequence_dict(self._generate_and_score_completions(generation_batch))
-            self._buffered_inputs = self._split_into_micro_batches(batch)
+            self._buffered_inputs = self._micro_batches(self._collect_generation_batch(generation_batch))
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
-    def _split_into_micro_batches(self, batch: RolloutBatch) -> list[RolloutBatch]:
-        """Cut the local generation batch into `steps_per_generation` micro-batches and attach to each the global
-        token count of its optimizer step.
+    def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
+        """Deal the global generation batch's rows to this rank's micro-batches and passes (`micro_batches.py`):
+        padding-free by tokens, else by rows; then the old policy where it is recomputed.
 
-        Sizes differ by one row at most, unless dynamic sampling trained on a partial batch with fewer rows than
-        micro-batches: then some are empty. Within an optimizer step the empty ones come first, so its last
-        micro-batch, whose backward pass synchronises gradients across ranks, has rows; a step with no rows at all
-        is skipped (no gradient, so the optimizer leaves parameters and state alone) and counted.
-        """
-        steps, accumulation = self.args.steps_per_generation, self.args.gradient_accumulation_steps
-        sizes = [len(rows) for rows in torch.arange(num_rows(batch)).tensor_split(steps)]
-        sizes = [
-            size for start in range(0, steps, accumulation) for size in sorted(sizes[start : start + accumulation])
-        ]
-        bounds = list(itertools.accumulate(sizes, initial=0))
-        # slices, not index tensors: indexing device tensors with a host index tensor copies it over and waits
-        micro_batches = trim_padding([select_rows(batch, slice(a, b)) for a, b in itertools.pairwise(bounds)])
-        local_counts = torch.stack([count_loss_tokens(mb) for mb in micro_batches]).float()
-        global_counts = self.accelerator.reduce(local_counts, reduction="sum")
-        step_counts = global_counts.view(-1, accumulation).sum(dim=1).repeat_interleave(accumulation)
-        for micro_batch, count in zip(micro_batches, step_counts, strict=True):
-            micro_batch[STEP_TOKENS] = count
-        # each optimizer step of the generation batch runs num_iterations times over the same micro-batches
+        An optimizer step with no rows at all (dynamic sampling trained on a partial batch) is skipped: no gradient,
+        so the optimizer leaves parameters and state alone; it is counted in `dapo/skipped_steps`."""
+        accumulation = self.args.gradient_accumulation_steps
+        optimizer_steps = self.args.steps_per_generation // accumulation
+        costs = None
+        if self.padding_free:
+            costs = (batch["prompt_mask"].sum(dim=1) + batch["completion_mask"].sum(dim=1)).tolist()
+        micro_batches = split_generation_batch(
+            batch,
+            rank=self.accelerator.process_index,
+            world=self.accelerator.num_processes,
+            optimizer_steps=optimizer_steps,
+            micro_batches=accumulation,
+            costs=costs,
+            max_tokens=self.args.padding_free_max_tokens if self.padding_free else None,
+            generator=torch.Generator().manual_seed(self.args.seed + self.state.global_step),
+        )
+        self._with_old_policy(micro_batches)
         empty_steps = self.num_iterations * sum(
-            not any(sizes[start : start + accumulation]) for start in range(0, steps, accumulation)
+            not any(mb.passes for mb in micro_batches[start : start + accumulation])
+            for start in range(0, len(micro_batches), accumulation)
         )
         if empty_steps and self.accelerator.scaler is not None:
             raise ValueError(
                 "Dynamic sampling found no informative group for an optimizer step, which is then skipped, but fp16's "
                 "gradient scaler cannot step without gradients. Use bf16, or dynamic_sampling_on_limit='raise'."
             )
-        if empty_steps:
-            self._skipped_steps += empty_steps
+        if empty_steps and self.accelerator.is_main_process:
             logger.warning(
-                "Dynamic sampling found too few informative groups within max_num_gen_batches=%d rounds: %d of the "
-                "%d optimizer steps of this generation batch have no rollout rows and are skipped (parameters and "
-                "optimizer state unchanged; the step counter and learning-rate schedule advance). %d skipped so far, "
+                "Dynamic sampling found too few informative groups within max_num_gen_batches=%d rounds: %d of the %d "
+                "optimizer steps of this generation batch have no rollout rows and are skipped (parameters and "
+                "optimizer state unchanged; the step counter and learning-rate schedule advance). %d skipped before, "
                 "logged as dapo/skipped_steps.",
                 self.args.max_num_gen_batches,
                 empty_steps,
-                steps // accumulation * self.num_iterations,
+                optimizer_steps * self.num_iterations,
                 self._skipped_steps,
             )
-        self._metrics["train"]["dapo/skipped_steps"].append(float(self._skipped_steps))
         return micro_batches
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """`dapo/skipped_steps` is a running count: logged as it stands, not averaged like TRL's per-step metrics."""
+        if self.model.training and "loss" in logs:
+            logs["dapo/skipped_steps"] = float(self._skipped_steps)
+        super().log(logs, start_time)
 
     # ---------------------------------------------------------------------------------------------------- loss
 
-    def _compute_loss(self, model, inputs):
-        if num_rows(inputs) == 0:
-            # No forward pass and no gradient reaching the parameters: an optimizer step made only of empty
-            # micro-batches leaves the parameters and the optimizer state as they were.
-            return torch.zeros((), device=self.accelerator.device, requires_grad=True)
-        mode = "train" if self.model.training else "eval"
-        completion_ids = inputs["completion_ids"]
-        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        mask = loss_mask(inputs)
-        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            completion_ids.size(1),
-            compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled,
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        """TRL's per-token logprobs and entropies of the last `logits_to_keep` columns; padding-free, the rows of
+        each forward are packed (`packing.py`) and the values come back in TRL's padded layout. Forwards hold
+        `batch_size` rows (`padding_free_max_tokens` tokens when set; None: all rows in one)."""
+        if not self.padding_free or any(value is not None for value in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal,
+            )  # fmt: skip
+        chunks = self._packed_chunks(attention_mask, batch_size)
+        logps, entropies, aux_losses = [], [], []
+        for rows in chunks:
+            if rows is None:  # another rank runs one more forward
+                empty = _forward_inputs(self._empty_pass())
+                self._packed_forward(model, *empty, compute_aux_loss)
+                continue
+            chunk_logps, chunk_entropies, aux_loss = self._packed_forward(
+                model, input_ids[rows], attention_mask[rows], logits_to_keep, compute_aux_loss
+            )
+            logps.append(chunk_logps)
+            entropies.append(chunk_entropies)
+            aux_losses.append(aux_loss)
+        return (
+            torch.cat(logps),
+            torch.cat(entropies) if compute_entropy else None,
+            torch.stack(aux_losses).mean() if compute_aux_loss else None,
         )
-        old_per_token_logps = inputs.get("old_per_token_logps")
+
+    def _packed_chunks(self, attention_mask: torch.Tensor, batch_size: int | None) -> list[slice | None]:
+        """The rows of each packed forward, in order; None for an empty forward that keeps this rank's forward count
+        equal to the other ranks' (needed only when the token cap cuts by tokens: row counts match on every rank)."""
+        rows, cap = attention_mask.size(0), self.args.padding_free_max_tokens
+        if cap is None:
+            step = rows if batch_size is None else batch_size
+            return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+        bounds, tokens = [0], 0
+        for row, length in enumerate(attention_mask.sum(dim=1).tolist()):
+            if tokens and tokens + length > cap:
+                bounds.append(row)
+                tokens = 0
+            tokens += length
+        bounds.append(rows)
+        chunks: list[slice | None] = [slice(a, b) for a, b in itertools.pairwise(bounds)]
+        if self.accelerator.num_processes > 1:
+            most = int(self.accelerator.reduce(torch.tensor(len(chunks), device=attention_mask.device), "max"))
+            chunks += [None] * (most - len(chunks))
+        return chunks
+
+    def _packed_forward(self, model, input_ids, attention_mask, logits_to_keep, compute_aux_loss):
+        """One packed forward through TRL's fused head (log-probabilities and entropy in chunks of tokens, never the
+        full-vocabulary logits; its temperature and `cast_lm_head_to_fp32`)."""
+        packed = pack_rows(input_ids, attention_mask, logits_to_keep)
+        inputs = dict(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            labels=packed.labels,
+            fused_lm_head=True,
+            **packed.attention_kwargs(),
+        )
+        if compute_aux_loss:
+            inputs["output_router_logits"] = True
+        with self.accelerator.autocast(), packed_forward_context():
+            outputs = model(**inputs)
+        return (
+            unpack_scores(outputs.log_probs, packed, logits_to_keep),
+            unpack_scores(outputs.entropy, packed, logits_to_keep),
+            outputs.aux_loss,
+        )
+
+    def _empty_pass(self) -> RolloutBatch:
+        """One row of a pad token prompt and a pad token completion, nothing counted: the forward a rank runs when
+        another rank has one more pass."""
+        pad = torch.full((1, 1), self._tokenizer.pad_token_id, device=self.accelerator.device)
+        ones = torch.ones_like(pad)
+        return {"prompt_ids": pad, "prompt_mask": ones, "completion_ids": pad, "completion_mask": ones}
+
+    def _compute_loss(self, model, inputs):
+        if not isinstance(inputs, MicroBatch):  # an evaluation batch (TRL's): its own step, one pass
+            metrics = StepMetrics()
+            step_tokens = self.accelerator.reduce(count_loss_tokens(inputs).float(), "sum")
+            loss = self._pass_loss(model, inputs, step_tokens, metrics, aux_weight=1.0, mode="eval")
+            self._log_step_metrics("eval", metrics.flush(self.accelerator))
+            return loss
+        if not inputs.passes:
+            # No forward pass and no gradient reaching the parameters (a micro-batch no rank has rows for): an
+            # optimizer step made only of these leaves the parameters and the optimizer state as they were.
+            loss = torch.zeros((), device=self.accelerator.device, requires_grad=True)
+        else:
+            earlier = torch.zeros((), device=self.accelerator.device)
+            for index, rows in enumerate(inputs.passes):
+                last = index == len(inputs.passes) - 1
+                with contextlib.nullcontext() if last else self._deferred_gradient_sync(model):
+                    loss = self._pass_loss(
+                        model, rows, inputs.step_tokens, inputs.metrics, aux_weight=1 / inputs.step_passes
+                    )
+                    if not last:
+                        self.accelerator.backward(loss, **self._backward_kwargs())
+                        earlier = earlier + loss.detach()
+            loss = loss + earlier  # the Trainer's backward reaches the last pass only; its log sees them all
+        if inputs.ends_step and inputs.metrics.tokens is not None:
+            self._log_step_metrics("train", inputs.metrics.flush(self.accelerator))
+        elif inputs.ends_step and not inputs.step_passes:
+            self._skipped_steps += 1
+        return loss
+
+    @contextlib.contextmanager
+    def _deferred_gradient_sync(self, model):
+        """Run a pass as the Trainer runs a micro-batch that is not its optimizer step's last: gradients accumulate
+        on each rank (DDP / FSDP2 `no_sync`; DeepSpeed: no accumulation boundary, no optimizer step)."""
+        state = self.accelerator.gradient_state
+        if not state.sync_gradients:  # the Trainer already defers this micro-batch
+            yield
+            return
+        state._set_sync_gradients(False)
+        try:
+            if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+                yield
+            else:
+                with self.accelerator.no_sync(model):
+                    yield
+        finally:
+            state._set_sync_gradients(True)
+
+    def _backward_kwargs(self) -> dict[str, Any]:
+        """What the Trainer passes to `accelerator.backward` (its loss carries its own normalisation)."""
+        return {"scale_wrt_gas": False} if self.accelerator.distributed_type == DistributedType.DEEPSPEED else {}
+
+    def _pass_loss(
+        self,
+        model,
+        rows: RolloutBatch | None,
+        step_tokens: torch.Tensor,
+        metrics: StepMetrics,
+        aux_weight: float,
+        mode: str = "train",
+    ) -> torch.Tensor:
+        """The DAPO loss of one pass's rows against the old policy, normalised by the step's token count; its
+        metrics added to `metrics`. `None`: an empty pass (a forward with zero loss, for the collectives)."""
+        if rows is None:
+            logps, _, _ = self._get_per_token_logps_and_entropies(model, *_forward_inputs(self._empty_pass()))
+            return logps.sum() * 0.0
+        mask = loss_mask(rows)
+        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model, *_forward_inputs(rows), compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
+        )
+        old_per_token_logps = rows.get("old_per_token_logps")
         if old_per_token_logps is None:  # evaluation batches are scored on-policy
             old_per_token_logps = per_token_logps.detach()
         # old_logprobs="recompute": the rollout's logprobs are kept apart (evaluation batches are TRL's own)
-        recomputed = mode == "train" and "sampling_per_token_logps" in inputs
-        sampled = inputs["sampling_per_token_logps"] if recomputed else old_per_token_logps
+        recomputed = mode == "train" and "sampling_per_token_logps" in rows
+        sampled = rows["sampling_per_token_logps"] if recomputed else old_per_token_logps
         correction = None
         if recomputed and self.args.rollout_correction is not None:
             correction = rollout_correction(
@@ -739,15 +901,13 @@ class DAPOTrainer(GRPOTrainer):
                 self.args.rollout_correction_max,
                 self.args.rollout_correction_min,
             )
-        # An evaluation batch (TRL's) is its own step.
-        step_tokens = inputs[STEP_TOKENS] if mode == "train" else self.accelerator.reduce(mask.sum().float(), "sum")
         # Each rank divides by its share of the step's global count; DDP's gradient average then gives the
         # exact global token-mean.
         clips = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, clip_ratio_c=self.args.clip_ratio_c)
         loss, stats = dapo_policy_loss(
             per_token_logps,
             old_per_token_logps,
-            inputs["advantages"],
+            rows["advantages"],
             mask,
             num_tokens=step_tokens.clamp(min=1.0) / self.accelerator.num_processes,
             token_weights=None if correction is None else correction.weights,
@@ -757,58 +917,31 @@ class DAPOTrainer(GRPOTrainer):
             per_token_logps.detach(),
             old_per_token_logps,
             sampled,
-            inputs["advantages"],
+            rows["advantages"],
             mask,
             recomputed=recomputed,
             correction=correction,
             **clips,
         )
         if self.aux_loss_enabled:
-            # TRL's router load-balancing term: its micro-batch mean, averaged over the optimizer step's micro-batches
-            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
-        else:
-            aux_loss = None
-        self._log_loss_stats(mode, stats, mismatch, mask, per_token_logps, entropies, aux_loss)
-        return loss
-
-    def _log_loss_stats(
-        self,
-        mode: str,
-        stats: dict[str, torch.Tensor],
-        mismatch: MismatchMetrics,
-        mask: torch.Tensor,
-        per_token_logps: torch.Tensor,
-        entropies: torch.Tensor,
-        aux_loss: torch.Tensor | None,
-    ) -> None:
-        """Token-weighted means over all ranks (a rank's mean weighs by its token count), sequence-weighted ones
-        likewise, the maxima over ranks and TRL's `aux_loss` (the mean over ranks); one host synchronisation per
-        micro-batch."""
-        count, sequences = stats.pop("num_active_tokens"), mismatch.sequences
+            # TRL's router load-balancing term, averaged over the optimizer step's passes
+            aux_loss = aux_loss * aux_weight
+            loss = loss + self.router_aux_loss_coef * aux_loss
         active = mask.bool()
-        token_means = {
-            **stats,
-            **mismatch.token_means,
-            "train_logprobs_mean": active_mean(per_token_logps.detach(), active),
-            "entropy": active_mean(entropies.detach(), active),
-        }
-        weighted = [value.float() * count for value in token_means.values()]
-        weighted += [value.float() * sequences for value in mismatch.sequence_means.values()]
-        extra = [] if aux_loss is None else [aux_loss.detach().float()]
-        totals = self.accelerator.reduce(torch.stack([*weighted, count, sequences, *extra]), reduction="sum")
-        maxima = self.accelerator.reduce(torch.stack(list(mismatch.maxima.values())).float(), reduction="max")
-        tokens, rows = len(token_means), len(mismatch.sequence_means)
-        values = [
-            totals[:tokens] / totals[tokens + rows].clamp(min=1),
-            totals[tokens : tokens + rows] / totals[tokens + rows + 1].clamp(min=1),
-            maxima,
-        ]
-        names = [*token_means, *mismatch.sequence_means, *mismatch.maxima]
-        if aux_loss is not None:
-            values.append(totals[-1:] / self.accelerator.num_processes)
-            names.append("aux_loss")
-        self._append_metrics(mode, names, torch.cat(values))
+        metrics.add(
+            token_means={
+                **{name: value for name, value in stats.items() if name != "num_active_tokens"},
+                **mismatch.token_means,
+                "train_logprobs_mean": active_mean(per_token_logps.detach(), active),
+                "entropy": active_mean(entropies.detach(), active),
+            },
+            tokens=stats["num_active_tokens"],
+            sequence_means=mismatch.sequence_means,
+            sequences=mismatch.sequences,
+            maxima=mismatch.maxima,
+            aux_loss=aux_loss.detach() if self.aux_loss_enabled else None,
+        )
+        return loss
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
@@ -834,6 +967,13 @@ class DAPOTrainer(GRPOTrainer):
             if self.prompt_stream is not None and state["prompt_stream"] is not None:
                 self.prompt_stream.load_state_dict(state["prompt_stream"])
             self._skipped_steps = state["skipped_steps"]
+
+
+def _forward_inputs(rows: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`(input_ids, attention_mask, completion width)` of rows, as TRL's logprob passes take them."""
+    input_ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
+    attention_mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
+    return input_ids, attention_mask, rows["completion_ids"].size(1)
 
 
 def _to_host(group: StreamedGroup) -> StreamedGroup:

@@ -1,0 +1,148 @@
+"""Training attention (forward + backward) over one micro-batch of DAPO's uneven rows: padded against packed.
+
+    python benchmarks/bench_training_attention.py         # CUDA
+
+Rows of a 256-token prompt and a completion of geometric length (mean about 2,000, capped at the maximum), at the
+head layouts of Qwen2.5-0.5B and 1.5B. Candidates, one attention layer each, bf16, forward + backward:
+- `padded_sdpa`: the rows padded to the longest, SDPA with the padding mask (TRL's padded pass);
+- `varlen_flash`: the rows packed, PyTorch's variable-length flash attention (trl-dapo's padding-free CUDA path);
+- `flex_document`: the rows packed, FlexAttention with a causal document mask (compiled once per shape);
+- `per_row_sdpa`: the rows packed, one causal SDPA call per row (trl-dapo's CPU path and reference).
+Prints a table last and writes `benchmarks/results/bench_training_attention.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from result_file import ResultFile
+from workload import HERE
+
+from trl_dapo.trainer.packed_attention import packed_attention, reference_packed_attention
+
+HEADS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128)}
+
+
+def median_ms(function, repeats: int = 10) -> float:
+    for _ in range(2):
+        function()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def row_lengths(rows: int, max_new: int, prompt: int, seed: int) -> list[int]:
+    """Prompt + a geometric completion length (EOS with probability 1/2,048 per token), capped at `max_new`."""
+    generator = torch.Generator().manual_seed(seed)
+    uniform = torch.rand(rows, generator=generator)
+    completions = (torch.log1p(-uniform) / torch.log1p(torch.tensor(-1 / 2048))).ceil().clamp(1, max_new)
+    return [prompt + int(length) for length in completions]
+
+
+def fwd_bwd(function, inputs):
+    def run():
+        out = function(*inputs)
+        torch.autograd.grad(out, inputs, torch.ones_like(out))
+
+    return run
+
+
+def candidates(lengths: list[int], heads: tuple[int, int, int]) -> dict:
+    query_heads, kv_heads, dim = heads
+    total, rows, width = sum(lengths), len(lengths), max(lengths)
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    scale = dim**-0.5
+
+    def packed_inputs():
+        shapes = [(1, query_heads, total, dim), (1, kv_heads, total, dim), (1, kv_heads, total, dim)]
+        return [torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+
+    def padded_inputs():
+        shapes = [(rows, query_heads, width, dim), (rows, kv_heads, width, dim), (rows, kv_heads, width, dim)]
+        return [torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+
+    real = torch.arange(width, device="cuda") < torch.tensor(lengths, device="cuda").unsqueeze(1)
+    causal = torch.ones(width, width, dtype=torch.bool, device="cuda").tril()
+    mask = (causal.unsqueeze(0) & real.unsqueeze(1)).unsqueeze(1)  # (rows, 1, width, width), keys real and causal
+
+    def padded_sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    def varlen_flash(q, k, v):
+        return packed_attention(q, k, v, bounds, width, scale)
+
+    def per_row_sdpa(q, k, v):
+        return reference_packed_attention(q, k, v, bounds, scale)
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    document = torch.repeat_interleave(torch.arange(rows, device="cuda"), torch.tensor(lengths, device="cuda"))
+
+    def document_causal(b, h, q_index, kv_index):
+        return (document[q_index] == document[kv_index]) & (q_index >= kv_index)
+
+    block_mask = create_block_mask(document_causal, None, None, total, total, device="cuda")
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def flex_document(q, k, v):
+        return compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+    return {
+        "padded_sdpa": (padded_sdpa, padded_inputs),
+        "varlen_flash": (varlen_flash, packed_inputs),
+        "flex_document": (flex_document, packed_inputs),
+        "per_row_sdpa": (per_row_sdpa, packed_inputs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--max-new", type=int, nargs="*", default=[4096, 8192])
+    parser.add_argument("--output", default=str(HERE / "results" / "bench_training_attention.json"))
+    args = parser.parse_args()
+    output = ResultFile(args.output, "cuda", vars(args))
+    results = output.data["results"] = []
+    for model, heads in HEADS.items():
+        for max_new in args.max_new:
+            lengths = row_lengths(args.rows, max_new, prompt=256, seed=0)
+            for name, (function, make_inputs) in candidates(lengths, heads).items():
+                torch.cuda.reset_peak_memory_stats()
+                try:
+                    ms = median_ms(fwd_bwd(function, make_inputs()))
+                    error = None
+                except Exception as failure:  # recorded, the others still run
+                    ms, error = None, f"{type(failure).__name__}: {failure}"[:300]
+                results.append(
+                    dict(
+                        model=model, max_new=max_new, rows=args.rows, real_tokens=sum(lengths),
+                        padded_tokens=args.rows * max(lengths), candidate=name, fwd_bwd_ms=ms,
+                        peak_gib=torch.cuda.max_memory_allocated() / 2**30, error=error,
+                    )
+                )  # fmt: skip
+                output.save()
+    lines = [
+        "| heads | max new | real / padded tokens | candidate | fwd+bwd ms | peak GiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ms = f"{r['fwd_bwd_ms']:.2f}" if r["fwd_bwd_ms"] is not None else r["error"]
+        lines.append(
+            f"| {r['model']} | {r['max_new']} | {r['real_tokens']} / {r['padded_tokens']} | {r['candidate']} | {ms} | "
+            f"{r['peak_gib']:.2f} |"
+        )
+    print("\n".join(lines))
+    print(f"wrote {output.path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Attention over packed rows: every row's tokens attend causally to the earlier tokens of the same row only.
+
+A packed forward passes the rows concatenated into one sequence, `position_ids` restarting at each row, and the row
+bounds as transformers' flash-attention keyword arguments (`cu_seq_lens_q`, `max_length_q`, ...), which the model hands
+to its attention function unchanged. transformers' own SDPA and eager paths would turn packed `position_ids` into a
+dense `(tokens x tokens)` mask, quadratic in the micro-batch's tokens, so the model's attention is switched to a
+dispatcher (`PACKED_PREFIX` + its own implementation) that:
+
+- for packed calls, runs PyTorch's variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`) on CUDA
+  in bf16/fp16, and elsewhere each row through SDPA (the exact reference, used on the CPU);
+- for every other call (TRL's padded passes, `generate`) runs the model's own implementation with its own mask.
+
+Models with flash-attention already pack natively from the same keyword arguments and are left as they are.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+PACKED_PREFIX = "trl_dapo_packed_"
+# Implementations the dispatcher wraps: their padded calls keep working unchanged.
+WRAPPED_IMPLEMENTATIONS = ("sdpa", "flex_attention")
+# transformers' flash-attention paths read the row bounds from the same keyword arguments themselves.
+NATIVE_PACKED_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+try:  # PyTorch >= 2.9
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older PyTorch: the per-row path serves every device
+    varlen_attn = None
+
+_VARLEN_PARAMETERS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
+
+
+def packed_implementation(base: str) -> str:
+    """The dispatcher's registered name for a model whose own implementation is `base` (registered on first use)."""
+    name = PACKED_PREFIX + base
+    if name not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        ALL_ATTENTION_FUNCTIONS.register(name, _dispatcher(ALL_ATTENTION_FUNCTIONS[base]))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, _mask_dispatcher(ALL_MASK_ATTENTION_FUNCTIONS[base]))
+    return name
+
+
+def _dispatcher(base: Callable) -> Callable:
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        cu_seq_lens = kwargs.get("cu_seq_lens_q")
+        if cu_seq_lens is None:
+            return base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return packed_attention(query, key, value, cu_seq_lens, int(kwargs["max_length_q"]), scaling), None
+
+    return attention
+
+
+def _mask_dispatcher(base: Callable) -> Callable:
+    """No mask for a packed call (no padding mask and as many keys as queries: a training pass with no cache); the
+    model's own mask for every other call. The dispatcher never reads a mask in packed calls."""
+
+    def mask(*args, attention_mask=None, q_length=None, kv_length=None, **kwargs):
+        if attention_mask is None and q_length == kv_length and _packed_call.active:
+            return None
+        return base(*args, attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, **kwargs)
+
+    return mask
+
+
+class _PackedCall:
+    """Set while a packed forward builds its masks (the mask functions see neither `position_ids` nor the row bounds).
+    The attention calls themselves dispatch on their keyword arguments alone, so a gradient-checkpointing recompute
+    after the forward returned is still packed."""
+
+    active = False
+
+    def __enter__(self) -> None:
+        type(self).active = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        type(self).active = False
+
+
+_packed_call = _PackedCall()
+
+
+def packed_forward_context() -> _PackedCall:
+    """Wrap a packed forward: its mask construction returns no mask (the dense packed mask would be quadratic)."""
+    return _packed_call
+
+
+def packed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    max_length: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Causal attention within each row of a packed sequence. `query` `(1, Hq, T, D)`, `key`/`value` `(1, Hkv, T, D)`,
+    `cu_seq_lens` `(rows + 1,)`; returns `(1, T, Hq, D)`, the layout transformers' attention functions return."""
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and varlen_attn is not None:
+        return _flash_varlen(query, key, value, cu_seq_lens, max_length, scaling).unsqueeze(0)
+    return reference_packed_attention(query, key, value, cu_seq_lens, scaling)
+
+
+def _flash_varlen(query, key, value, cu_seq_lens, max_length, scaling):
+    query, key, value = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
+    groups = query.size(1) // key.size(1)
+    kwargs = {"scale": scaling}
+    if groups > 1:
+        if "enable_gqa" in _VARLEN_PARAMETERS:
+            kwargs["enable_gqa"] = True
+        else:
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if "window_size" in _VARLEN_PARAMETERS:
+        kwargs["window_size"] = (-1, 0)  # causal
+    else:
+        kwargs["is_causal"] = True
+    cu_seq_lens = cu_seq_lens.to(torch.int32)
+    return varlen_attn(query, key, value, cu_seq_lens, cu_seq_lens, max_length, max_length, **kwargs)
+
+
+def reference_packed_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """Each row through SDPA with a causal mask: exact, one call per row (the CPU path and the tests' reference)."""
+    bounds = cu_seq_lens.tolist()
+    groups = query.size(1) // key.size(1)
+    outputs = [
+        F.scaled_dot_product_attention(
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=groups > 1,
+        )
+        for start, end in itertools.pairwise(bounds)
+    ]
+    return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def why_model_cannot_pack(model, is_multimodal: bool) -> str | None:
+    """Why `model` (unwrapped, PEFT's base model included) cannot run packed passes, or None when it can."""
+    config = model.config
+    implementation = config._attn_implementation or "eager"
+    base = implementation.removeprefix(PACKED_PREFIX)
+    window = getattr(config, "sliding_window", None)
+    uses_window = window and getattr(config, "use_sliding_window", True) is not False
+    checks = [
+        (is_multimodal, "multimodal model (its image inputs are batched per row)"),
+        (
+            not getattr(model, "_supports_attention_backend", False),
+            f"{type(model).__name__} has no attention interface",
+        ),
+        (
+            base not in (*WRAPPED_IMPLEMENTATIONS, *NATIVE_PACKED_IMPLEMENTATIONS),
+            f"attn_implementation={base!r} (padding-free runs with 'sdpa', 'flex_attention' or flash attention)",
+        ),
+        (bool(uses_window), f"sliding-window attention (a window of {window} tokens)"),
+        (getattr(config, "attn_logit_softcapping", None) is not None, "attention logit soft-capping"),
+        (bool(getattr(config, "attention_dropout", 0.0)), "attention dropout"),
+        (getattr(config, "is_causal", True) is False, "bidirectional attention"),
+    ]
+    return next((reason for failed, reason in checks if failed), None)
+
+
+def enable_packed_attention(model) -> None:
+    """Route `model`'s attention through the dispatcher (its padded calls unchanged); flash attention packs as is."""
+    implementation = model.config._attn_implementation
+    if implementation in NATIVE_PACKED_IMPLEMENTATIONS or implementation.startswith(PACKED_PREFIX):
+        return
+    model.set_attn_implementation(packed_implementation(implementation))
