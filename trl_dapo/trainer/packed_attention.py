@@ -15,6 +15,7 @@ Models with flash-attention already pack natively from the same keyword argument
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from collections.abc import Callable
@@ -36,6 +37,8 @@ except ImportError:  # pragma: no cover - older PyTorch: the per-row path serves
     varlen_attn = None
 
 _VARLEN_PARAMETERS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
+# PyTorch 2.10 says causal with `is_causal`, later releases with a window of (-1, 0).
+_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMETERS else {"is_causal": True}
 
 
 def packed_implementation(base: str) -> str:
@@ -109,18 +112,27 @@ def packed_attention(
 def _flash_varlen(query, key, value, cu_seq_lens, max_length, scaling):
     query, key, value = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
     groups = query.size(1) // key.size(1)
-    kwargs = {"scale": scaling}
-    if groups > 1:
-        if "enable_gqa" in _VARLEN_PARAMETERS:
-            kwargs["enable_gqa"] = True
-        else:
-            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    if "window_size" in _VARLEN_PARAMETERS:
-        kwargs["window_size"] = (-1, 0)  # causal
-    else:
-        kwargs["is_causal"] = True
+    kwargs = {"scale": scaling, **_CAUSAL}
+    if groups > 1 and "enable_gqa" in _VARLEN_PARAMETERS:
+        kwargs["enable_gqa"] = True
+    elif groups > 1 and not _takes_fewer_key_heads(query.device):
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     cu_seq_lens = cu_seq_lens.to(torch.int32)
     return varlen_attn(query, key, value, cu_seq_lens, cu_seq_lens, max_length, max_length, **kwargs)
+
+
+@functools.cache
+def _takes_fewer_key_heads(device: torch.device) -> bool:
+    """Whether this PyTorch's `varlen_attn` (before its `enable_gqa` flag) hands fewer key/value heads than query heads
+    to the flash kernel, which reads each group's shared head itself. Repeating the heads instead costs a copy forward
+    and a reduction backward of every layer's keys and values (6x their size for Qwen2.5-1.5B)."""
+    probe = torch.zeros(2, 2, 64, device=device, dtype=torch.bfloat16)
+    bounds = torch.tensor([0, 2], device=device, dtype=torch.int32)
+    try:
+        varlen_attn(probe, probe[:, :1], probe[:, :1], bounds, bounds, 2, 2, **_CAUSAL)
+    except RuntimeError:
+        return False
+    return True
 
 
 def reference_packed_attention(
