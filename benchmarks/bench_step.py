@@ -28,10 +28,11 @@ from workload import config_path, decode_weight_bytes, kv_bytes_per_token, promp
 # The trainers a comparison runs, with their DAPOConfig overrides. On CUDA, DAPO generates with its engine; the same
 # DAPO trainer on TRL's generation path does exactly TRL's generation work, so its rest of the step against TRL's is
 # the cost of DAPO's loss and bookkeeping alone (on CPU DAPO already takes TRL's path).
-# `dapo_padded`: DAPO with padded training passes (`padding_free=False`), rows split evenly by count.
+# `dapo` trains padding-free (on CUDA its default; on the CPU the per-row reference attention), `dapo_padded` with
+# padded passes (`padding_free=False`), rows split evenly by count.
 COMPARISON_KINDS = {
     "trl": {},
-    "dapo": {},
+    "dapo": {"padding_free": True},
     "dapo_padded": {"padding_free": False},
     "dapo_trl_generation": {"rollout_engine": "trl"},
 }

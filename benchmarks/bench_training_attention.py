@@ -8,12 +8,16 @@ head layouts of Qwen2.5-0.5B and 1.5B. Candidates, one attention layer each, bf1
 - `varlen_flash`: the rows packed, PyTorch's variable-length flash attention (trl-dapo's padding-free CUDA path);
 - `flex_document`: the rows packed, FlexAttention with a causal document mask (compiled once per shape);
 - `per_row_sdpa`: the rows packed, one causal SDPA call per row (trl-dapo's CPU path and reference).
+With `--fixed-rows N`, also N rows all of the maximum length, where packing removes nothing: `varlen_flash` against
+causal SDPA on the dense batch with its default backend choice (`dense_sdpa`, trl-dapo's path for equal rows), and
+forced to flash (`dense_flash`) and to cuDNN (`dense_cudnn`).
 Prints a table last and writes `benchmarks/results/bench_training_attention.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import torch
@@ -21,7 +25,7 @@ import torch.nn.functional as F
 from result_file import ResultFile
 from workload import HERE
 
-from trl_dapo.trainer.packed_attention import packed_attention, reference_packed_attention
+from trl_dapo.trainer.packed_attention import flash_varlen_attention, packed_attention, reference_packed_attention
 
 HEADS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128)}
 
@@ -104,10 +108,60 @@ def candidates(lengths: list[int], heads: tuple[int, int, int]) -> dict:
     }
 
 
+def fixed_candidates(rows: int, length: int, heads: tuple[int, int, int]) -> dict:
+    """Equal rows: the variable-length kernel against dense causal SDPA, by backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    query_heads, kv_heads, dim = heads
+    bounds = torch.arange(0, rows * length + 1, length, device="cuda")
+
+    def packed_inputs():
+        shapes = [(1, query_heads, rows * length, dim), (1, kv_heads, rows * length, dim)]
+        return [torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in (*shapes, shapes[1])]
+
+    def dense_inputs():
+        shapes = [(rows, query_heads, length, dim), (rows, kv_heads, length, dim)]
+        return [torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in (*shapes, shapes[1])]
+
+    def dense(backend=None):
+        def attention(q, k, v):
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        return attention
+
+    return {
+        # the kernel itself: `packed_attention` takes the dense path for equal rows
+        "varlen_flash": (lambda q, k, v: flash_varlen_attention(q, k, v, bounds, length, None), packed_inputs),
+        "dense_sdpa": (dense(), dense_inputs),
+        "dense_flash": (dense(SDPBackend.FLASH_ATTENTION), dense_inputs),
+        "dense_cudnn": (dense(SDPBackend.CUDNN_ATTENTION), dense_inputs),
+    }
+
+
+def run_candidates(named: dict, lengths: list[int], model: str, max_new: int, results: list, output) -> None:
+    """Time each candidate on its own fresh inputs; an error is recorded and the others still run."""
+    for name, (function, make_inputs) in named.items():
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            ms, error = median_ms(fwd_bwd(function, make_inputs())), None
+        except Exception as failure:
+            ms, error = None, f"{type(failure).__name__}: {failure}"[:300]
+        results.append(
+            dict(
+                model=model, max_new=max_new, rows=len(lengths), real_tokens=sum(lengths),
+                padded_tokens=len(lengths) * max(lengths), candidate=name, fwd_bwd_ms=ms,
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30, error=error,
+            )
+        )  # fmt: skip
+        output.save()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--max-new", type=int, nargs="*", default=[4096, 8192])
+    parser.add_argument("--fixed-rows", type=int, default=0, help="also this many rows all of the maximum length")
     parser.add_argument("--output", default=str(HERE / "results" / "bench_training_attention.json"))
     args = parser.parse_args()
     output = ResultFile(args.output, "cuda", vars(args))
@@ -115,30 +169,20 @@ def main() -> None:
     for model, heads in HEADS.items():
         for max_new in args.max_new:
             lengths = row_lengths(args.rows, max_new, prompt=256, seed=0)
-            for name, (function, make_inputs) in candidates(lengths, heads).items():
-                torch.cuda.reset_peak_memory_stats()
-                try:
-                    ms = median_ms(fwd_bwd(function, make_inputs()))
-                    error = None
-                except Exception as failure:  # recorded, the others still run
-                    ms, error = None, f"{type(failure).__name__}: {failure}"[:300]
-                results.append(
-                    dict(
-                        model=model, max_new=max_new, rows=args.rows, real_tokens=sum(lengths),
-                        padded_tokens=args.rows * max(lengths), candidate=name, fwd_bwd_ms=ms,
-                        peak_gib=torch.cuda.max_memory_allocated() / 2**30, error=error,
-                    )
-                )  # fmt: skip
-                output.save()
+            run_candidates(candidates(lengths, heads), lengths, model, max_new, results, output)
+            if args.fixed_rows:
+                fixed = [max_new + 256] * args.fixed_rows
+                named = fixed_candidates(args.fixed_rows, max_new + 256, heads)
+                run_candidates(named, fixed, model, max_new, results, output)
     lines = [
-        "| heads | max new | real / padded tokens | candidate | fwd+bwd ms | peak GiB |",
-        "|---|---|---|---|---|---|",
+        "| heads | max new | rows | real / padded tokens | candidate | fwd+bwd ms | peak GiB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ms = f"{r['fwd_bwd_ms']:.2f}" if r["fwd_bwd_ms"] is not None else r["error"]
         lines.append(
-            f"| {r['model']} | {r['max_new']} | {r['real_tokens']} / {r['padded_tokens']} | {r['candidate']} | {ms} | "
-            f"{r['peak_gib']:.2f} |"
+            f"| {r['model']} | {r['max_new']} | {r['rows']} | {r['real_tokens']} / {r['padded_tokens']} | "
+            f"{r['candidate']} | {ms} | {r['peak_gib']:.2f} |"
         )
     print("\n".join(lines))
     print(f"wrote {output.path}")

@@ -60,6 +60,18 @@ def test_bench_step_variable_lengths_counts_generated_tokens(tmp_path):
         # with probability about 1/366 per token), and tokens/s counts what was generated
         assert 8 < run["completion_tokens_per_step"] < 8 * 200
         assert math.isclose(run["generation_tokens_per_s"], run["completion_tokens_per_step"] / run["generation_s"])
+    # the training forwards' tokens: every trainer trains the same kind of rows (the prompts' and completions' real
+    # tokens); padded passes run on rows x width, padding-free ones on the real tokens alone
+    models = results["models"]["tiny"]
+    packed, padded = models["dapo"], models["dapo_padded"]
+    assert packed["padding_free"] and not padded["padding_free"]
+    assert packed["trained_forward_tokens_per_step"] == packed["trained_real_tokens_per_step"]
+    for run in (padded, models["trl"]):
+        assert (
+            run["trained_forward_tokens_per_step"]
+            > run["trained_real_tokens_per_step"]
+            > run["completion_tokens_per_step"]
+        )
 
 
 def test_bench_sampling_tiny_runs_each_mode(tmp_path):

@@ -14,6 +14,7 @@ from trl_dapo.testing import ScriptedRollout
 from trl_dapo.trainer.micro_batches import deal_by_tokens, plan_step
 from trl_dapo.trainer.packed_attention import (
     enable_packed_attention,
+    packed_attention,
     packed_forward_context,
     reference_packed_attention,
     why_model_cannot_pack,
@@ -55,6 +56,20 @@ def test_the_reference_attention_keeps_rows_apart():
     torch.testing.assert_close(out[:, 3:], alone.transpose(1, 2))
     key[:, :, :3] += 1.0
     torch.testing.assert_close(reference_packed_attention(query, key, value, bounds, None)[:, 3:], out[:, 3:])
+
+
+def test_rows_of_one_length_attend_as_a_dense_batch():
+    """Equal rows take the dense path: the same outputs and gradients as the per-row reference."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(1, heads, 12, 8, requires_grad=True) for heads in (4, 2, 2)]
+    bounds = torch.tensor([0, 4, 8, 12])
+    out = packed_attention(*inputs, bounds, max_length=4, scaling=None)
+    reference = reference_packed_attention(*inputs, bounds, scaling=None)
+    torch.testing.assert_close(out, reference)
+    for got, expected in zip(
+        torch.autograd.grad(out.sum(), inputs), torch.autograd.grad(reference.sum(), inputs), strict=True
+    ):
+        torch.testing.assert_close(got, expected)
 
 
 def uneven_rows(tokenizer, width: int = 9):

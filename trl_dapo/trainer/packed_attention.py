@@ -103,13 +103,30 @@ def packed_attention(
     scaling: float | None,
 ) -> torch.Tensor:
     """Causal attention within each row of a packed sequence. `query` `(1, Hq, T, D)`, `key`/`value` `(1, Hkv, T, D)`,
-    `cu_seq_lens` `(rows + 1,)`; returns `(1, T, Hq, D)`, the layout transformers' attention functions return."""
+    `cu_seq_lens` `(rows + 1,)`; returns `(1, T, Hq, D)`, the layout transformers' attention functions return.
+
+    Rows all of one length are a dense batch with no padding: they go through SDPA, whose backend choice beats the
+    variable-length flash kernel there (on an H200 with PyTorch 2.11, SDPA's cuDNN attention ran forward + backward
+    of 4 rows of 8,224 tokens, Qwen2.5-1.5B's heads, in 5.4 ms against 10.6 ms)."""
+    rows = cu_seq_lens.numel() - 1
+    if rows * max_length == query.size(2):
+        return _dense_rows(query, key, value, rows, scaling)
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and varlen_attn is not None:
-        return _flash_varlen(query, key, value, cu_seq_lens, max_length, scaling).unsqueeze(0)
+        return flash_varlen_attention(query, key, value, cu_seq_lens, max_length, scaling).unsqueeze(0)
     return reference_packed_attention(query, key, value, cu_seq_lens, scaling)
 
 
-def _flash_varlen(query, key, value, cu_seq_lens, max_length, scaling):
+def _dense_rows(query, key, value, rows, scaling):
+    """Equal rows as a batch `(rows, H, length, D)`, one causal SDPA call, back to `(1, T, Hq, D)`."""
+    query, key, value = (x[0].unflatten(1, (rows, -1)).transpose(0, 1) for x in (query, key, value))
+    out = F.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=scaling, enable_gqa=query.size(1) != key.size(1)
+    )
+    return out.transpose(1, 2).flatten(0, 1).unsqueeze(0)
+
+
+def flash_varlen_attention(query, key, value, cu_seq_lens, max_length, scaling):
+    """PyTorch's variable-length flash attention over packed rows (CUDA, bf16/fp16); `(T, Hq, D)` out."""
     query, key, value = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
     groups = query.size(1) // key.size(1)
     kwargs = {"scale": scaling, **_CAUSAL}
