@@ -88,12 +88,13 @@ def time_methods(
     trainer,
     sections: dict[str, list[tuple[int, float]]],
     generated: list[tuple[int, int]],
-    trained: list[tuple[int, int, int]],
+    trained: list[tuple[int, int, int]] | None = None,
 ) -> None:
     """Time the trainer's own methods by wrapping them (device-synchronised): generation, the no-grad logprob pass,
     generation + scoring + bookkeeping, and whole micro-batch training steps (which contain the former). Each call is
     recorded with the optimizer step it ran in; each generation call's completion tokens go to `generated`, and each
-    training forward's `(step, real tokens, padded tokens)` (rows x width of the batch it was handed) to `trained`."""
+    training forward's `(step, real tokens, padded tokens)` (rows x width of the batch it was handed) to `trained`
+    when given."""
 
     def timed(name, function):
         def wrapper(*args, **kwargs):
@@ -106,7 +107,7 @@ def time_methods(
             sections.setdefault(key, []).append((step, time.perf_counter() - start))
             if name == "generation":  # returns (completion ids, logprobs)
                 generated.append((step, sum(map(len, result[0]))))
-            if key == "train_forward":  # (model, input_ids, attention_mask, ...)
+            if key == "train_forward" and trained is not None:  # (model, input_ids, attention_mask, ...)
                 input_ids, attention_mask = args[1], args[2]
                 trained.append((step, int(attention_mask.sum()), input_ids.numel()))
             return result

@@ -1,10 +1,13 @@
-"""Run by `accelerate launch` on 2 CPU processes (gloo): the rollout engine's weights read from FSDP2 shards.
+"""Run by `accelerate launch` on 2 CPU processes (gloo): the rollout engine's weights read from FSDP2 shards, and a
+padding-free training pass through FSDP2 shards.
 
 accelerate's FSDP2 path does not run on CPU processes (it needs a GPU launch), so the model is sharded here by the same
 function accelerate's `prepare` calls (`fsdp2_prepare_model`, given an FSDP2 plugin), or by plain `fully_shard`
 calls, and the engine is driven directly, as DAPOTrainer drives it: built from the model before it is sharded, synced
 once sharded, synced again after an optimizer step. Each rank writes what it generated and the snapshot it holds,
-beside the same from an unsharded copy of the model given the same weights.
+beside the same from an unsharded copy of the model given the same weights. The padding-free pass: rank 0 packs three
+uneven rows, rank 1 runs the empty pass a rank with no rows runs (its forward and backward are collectives of the
+sharded model); each writes the gathered gradients beside an unsharded model's for rank 0's rows.
 """
 
 import copy
@@ -18,9 +21,12 @@ from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
+from trl.trainer.utils import add_fused_lm_head
 
 from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
 from trl_dapo.rollout.sharded import FullyShardGather
+from trl_dapo.trainer.packed_attention import enable_packed_attention, packed_forward_context
+from trl_dapo.trainer.packing import pack_rows, unpack_scores
 
 PROMPTS = [[5 + (7 * row + 3 * column) % 300 for column in range(3 + row)] for row in range(6)]  # uneven lengths
 SETTINGS = {"greedy": SamplingSettings(10, greedy=True), "sampled": SamplingSettings(10, temperature=0.9, top_k=50)}
@@ -104,6 +110,42 @@ def run(layout: str, model_path: str, accelerator: Accelerator) -> dict:
     return result
 
 
+def packed_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> torch.Tensor:
+    """The summed logprobs of the completion tokens, from one packed forward through TRL's fused head."""
+    packed = pack_rows(input_ids, attention_mask, width)
+    with packed_forward_context():
+        out = model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            labels=packed.labels,
+            fused_lm_head=True,
+            **packed.attention_kwargs(),
+        )
+    return unpack_scores(out.log_probs, packed, width).sum()
+
+
+def padding_free_pass(model_path: str, rank: int) -> dict:
+    """Rank 0's rows (uneven, left-padded prompts) or rank 1's empty pass through FSDP2 shards; the gradients, summed
+    over the ranks, against an unsharded model's for rank 0's rows."""
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    add_fused_lm_head(model)
+    enable_packed_attention(model)
+    reference = copy.deepcopy(model)
+    rows = torch.tensor([[0, 0, 5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14, 15, 16], [0, 17, 18, 19, 20, 0, 0, 0]])
+    mask = (rows != 0).long()
+    empty, empty_mask = torch.tensor([[0, 0]]), torch.ones(1, 2, dtype=torch.long)
+    packed_loss(reference, rows, mask, 4).backward()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    loss = packed_loss(model, rows, mask, 4) if rank == 0 else packed_loss(model, empty, empty_mask, 1) * 0.0
+    loss.backward()  # FSDP averages over the 2 ranks
+    return {
+        "sharded": {n: 2 * p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None},
+        "unsharded": {n: p.grad for n, p in reference.named_parameters() if p.grad is not None},
+    }
+
+
 def main(model_path: str, output: str) -> None:
     accelerator = Accelerator(cpu=True)
     # accelerate sets the FSDP plugin only on a GPU launch; its sharding function reads nothing else from the state
@@ -112,6 +154,7 @@ def main(model_path: str, output: str) -> None:
     )
     layouts = ["accelerate", "layers_and_root", "accelerate_lora"]
     results = {layout: run(layout, model_path, accelerator) for layout in layouts}
+    results["padding_free"] = padding_free_pass(model_path, accelerator.process_index)
     torch.save(results, f"{output}.rank{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -68,3 +68,14 @@ def test_a_snapshot_of_a_model_without_weights_is_filled_by_the_first_sync(tiny_
     assert all(tensor.device.type == "cpu" for tensor in rollout.snapshot.tensors.values())
     rollout.sync_weights(model)
     assert_same_tensors(rollout.snapshot.tensors, PagedRolloutEngine(model, **options).snapshot.tensors)
+
+
+@pytest.mark.distributed
+def test_a_padding_free_pass_through_fsdp2_shards_gives_the_unsharded_gradients(ranks):
+    """Rank 0 packs uneven rows, rank 1 runs an empty pass (every rank runs as many passes: the sharded forward and
+    backward are collectives); the gradients are the unsharded model's for rank 0's rows."""
+    for rank in ranks:
+        result = rank["padding_free"]
+        assert result["sharded"].keys() == result["unsharded"].keys() and result["unsharded"]
+        for name, grad in result["unsharded"].items():
+            torch.testing.assert_close(result["sharded"][name], grad, atol=1e-5, rtol=1e-4, msg=name)

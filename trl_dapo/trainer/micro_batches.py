@@ -58,7 +58,7 @@ def split_generation_batch(
     order = torch.randperm(rows, generator=generator).tolist()
     costs = [1] * rows if costs is None else costs
     out: list[MicroBatch] = []
-    for step_rows in _split_evenly_list(order, optimizer_steps):
+    for step_rows in _split_evenly(order, optimizer_steps):
         plans = plan_step([costs[row] for row in step_rows], world, micro_batches, max_tokens)
         step_tokens = count_loss_tokens(select_rows(batch, torch.tensor(step_rows, dtype=torch.long))).float()
         kept = [_passes_run_by_some_rank(plans, index) for index in range(micro_batches)]
@@ -123,25 +123,14 @@ def plan_step(tokens: Sequence[int], world: int, micro_batches: int, max_tokens:
         if all(_fits(tokens, rank_passes, max_tokens) for rank_passes in dealt):
             break
         passes += 1
-    plans = []
-    for rank_passes in dealt:
-        ordered = sorted(rank_passes, key=lambda rows: (sum(tokens[r] for r in rows), len(rows)))
-        sizes = [len(part) for part in _split_evenly(passes, micro_batches)]
-        starts = [sum(sizes[:index]) for index in range(micro_batches)]
-        plans.append([ordered[start : start + size] for start, size in zip(starts, sizes, strict=True)])
-    return plans
+    lightest_first = [
+        sorted(rank_passes, key=lambda rows: (sum(tokens[r] for r in rows), len(rows))) for rank_passes in dealt
+    ]
+    return [_split_evenly(ordered, micro_batches) for ordered in lightest_first]
 
 
-def _split_evenly_list(items: list[int], parts: int) -> list[list[int]]:
+def _split_evenly(items: list, parts: int) -> list[list]:
     """`items` in `parts` consecutive pieces whose sizes differ by one at most, the larger ones first."""
     small, extra = divmod(len(items), parts)
     bounds = [index * small + min(index, extra) for index in range(parts + 1)]
     return [items[a:b] for a, b in itertools.pairwise(bounds)]
-
-
-def _split_evenly(count: int, parts: int) -> list[range]:
-    """`range(count)` in `parts` consecutive pieces whose sizes differ by one at most, the larger ones last."""
-    small, extra = divmod(count, parts)
-    sizes = [small + (index >= parts - extra) for index in range(parts)]
-    bounds = [sum(sizes[:index]) for index in range(parts + 1)]
-    return [range(a, b) for a, b in itertools.pairwise(bounds)]
