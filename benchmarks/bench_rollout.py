@@ -1,7 +1,7 @@
 """The rollout engine in DAPO's real regime, beside HF `generate` (TRL's path) in one process.
 
-    python benchmarks/bench_rollout.py --models qwen2.5-0.5b --shapes 128x256-fixed 128x1024 1024x8192
-    python benchmarks/bench_rollout.py --tiny          # CPU smoke run on the tiny local model (fp32, eager)
+    python3 -m benchmarks.bench_rollout --models qwen2.5-0.5b --shapes 128x256-fixed 128x1024 1024x8192
+    python3 -m benchmarks.bench_rollout --tiny          # CPU smoke run on the tiny local model (fp32, eager)
 
 A shape is `ROWSxNEW[pPROMPT][-fixed][-lora][=ENGINE,...]`: ROWS rows of PROMPT-token prompts (default 256; 32 for
 fixed shapes) in groups of 16 identical prompts, as DAPO samples them, with random ids in [3, vocab), generating up
@@ -30,9 +30,10 @@ import re
 import traceback
 
 import torch
-from result_file import ResultFile, default_output, finish
-from timing import copy_bandwidth, timed_call
-from workload import (
+
+from benchmarks.result_file import ResultFile, default_output, finish
+from benchmarks.timing import copy_bandwidth, timed_call
+from benchmarks.workload import (
     EOS_TOKEN_ID,
     PAD_TOKEN_ID,
     config_path,
@@ -42,7 +43,6 @@ from workload import (
     token_prompts,
     with_lora,
 )
-
 from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
 
 ENGINES = ("paged", "hf")  # in the default run order (--engines)

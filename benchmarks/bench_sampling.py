@@ -2,10 +2,10 @@
 fixed vs adaptive (`dynamic_sampling_oversample="auto"`) sizing and surplus reuse on and off, and streaming
 (`dynamic_sampling_mode="stream"`) with rows in flight carried, finished or dropped when the batch is full.
 
-    python benchmarks/bench_sampling.py --models qwen2.5-0.5b     # CUDA: random-init Qwen2.5-0.5B architecture
-    python benchmarks/bench_sampling.py --variable-lengths --max-surplus-age 2 \\
+    python3 -m benchmarks.bench_sampling --models qwen2.5-0.5b     # CUDA: random-init Qwen2.5-0.5B architecture
+    python3 -m benchmarks.bench_sampling --variable-lengths --max-surplus-age 2 \\
         --sampling-modes auto:True stream:carry stream:finish     # CUDA: lengths up to 4,096, stream vs rounds
-    python benchmarks/bench_sampling.py --tiny                    # CPU smoke run on the tiny local model
+    python3 -m benchmarks.bench_sampling --tiny                    # CPU smoke run on the tiny local model
 
 A mode is `OVERSAMPLE:SURPLUS` (rounds: `dynamic_sampling_oversample`, `dynamic_sampling_keep_surplus`) or
 `stream:IN_FLIGHT` (`dynamic_sampling_in_flight`: finish, drop or carry; surplus kept). Every run generates with the
@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from result_file import ResultFile, default_output
-from trainer_run import add_batch_arguments, batch_setup, run_trainer
 from transformers import AutoConfig
-from workload import config_path, prompts, random_model, uninformative_reward, word_tokenizer
+
+from benchmarks.result_file import ResultFile, default_output
+from benchmarks.trainer_run import add_batch_arguments, batch_setup, run_trainer
+from benchmarks.workload import config_path, prompts, random_model, uninformative_reward, word_tokenizer
 
 
 def mode_settings(mode: str) -> dict:

@@ -1,9 +1,9 @@
 """DAPOTrainer against TRL's GRPOTrainer, step for step, on one device; DAPO with gradient checkpointing, with LoRA and
 with the old policy recomputed; training MFU and decode bandwidth use against the measured hardware ceilings.
 
-    python benchmarks/bench_step.py                       # CUDA: Qwen2.5-0.5B and 1.5B architectures, random init
-    python benchmarks/bench_step.py --variable-lengths    # CUDA: 0.5B, 2,048-token vocabulary, up to 4,096 tokens
-    python benchmarks/bench_step.py --tiny                # CPU smoke run on the tiny local model
+    python3 -m benchmarks.bench_step                       # CUDA: Qwen2.5-0.5B and 1.5B architectures, random init
+    python3 -m benchmarks.bench_step --variable-lengths    # CUDA: 0.5B, 2,048-token vocabulary, up to 4,096 tokens
+    python3 -m benchmarks.bench_step --tiny                # CPU smoke run on the tiny local model
 
 Both trainers get the same random-init model, prompts, batch geometry and seed. By default generation lengths are
 pinned with `min_new_tokens = max_completion_length`, so both sides decode the same number of tokens. With
@@ -19,11 +19,19 @@ import argparse
 from pathlib import Path
 
 import torch
-from result_file import ResultFile, default_output
-from timing import hardware_ceilings
-from trainer_run import add_batch_arguments, batch_setup, run_trainer
 from transformers import AutoConfig
-from workload import config_path, decode_weight_bytes, kv_bytes_per_token, prompts, random_model, word_tokenizer
+
+from benchmarks.result_file import ResultFile, default_output
+from benchmarks.timing import hardware_ceilings
+from benchmarks.trainer_run import add_batch_arguments, batch_setup, run_trainer
+from benchmarks.workload import (
+    config_path,
+    decode_weight_bytes,
+    kv_bytes_per_token,
+    prompts,
+    random_model,
+    word_tokenizer,
+)
 
 # The trainers a comparison runs, with their DAPOConfig overrides. On CUDA, DAPO generates with its engine; the same
 # DAPO trainer on TRL's generation path does exactly TRL's generation work, so its rest of the step against TRL's is

@@ -1,6 +1,6 @@
 """Training attention (forward + backward) over one micro-batch of DAPO's uneven rows: padded against packed.
 
-    python benchmarks/bench_training_attention.py         # CUDA
+    python3 -m benchmarks.bench_training_attention         # CUDA
 
 Rows of a 256-token prompt and a completion of geometric length (mean about 2,000, capped at the maximum), at the
 head layouts of Qwen2.5-0.5B and 1.5B. Candidates, one attention layer each, bf16, forward + backward:
@@ -22,9 +22,9 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from result_file import ResultFile
-from workload import HERE
 
+from benchmarks.result_file import ResultFile
+from benchmarks.workload import HERE
 from trl_dapo.trainer.packed_attention import flash_varlen_attention, packed_attention, reference_packed_attention
 
 HEADS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128)}

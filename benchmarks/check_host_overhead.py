@@ -1,6 +1,6 @@
 """Does generating with the rollout engine slow the eager training step that follows it?
 
-    python benchmarks/check_host_overhead.py --model qwen2.5-0.5b
+    python3 -m benchmarks.check_host_overhead --model qwen2.5-0.5b
 
 A small-model training step is bound by the host launching kernels, so anything that makes the host slower (busy
 background processes, a changed thread affinity) shows up as a slower step. This measures, in one process, the host
@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 import torch
-from timing import synchronize
-from workload import HERE, config_path, random_model
 
+from benchmarks.timing import synchronize
+from benchmarks.workload import HERE, config_path, random_model
 from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
 
 

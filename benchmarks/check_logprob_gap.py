@@ -1,7 +1,7 @@
 """The train/rollout logprob gap, source by source, and what recomputing the old policy costs.
 
-    python benchmarks/check_logprob_gap.py                # CUDA: Qwen2.5 0.5B, 1.5B, 7B layers + LoRA r=16, bf16
-    python benchmarks/check_logprob_gap.py --tiny         # CPU smoke run on the tiny model (float32: gaps near 0)
+    python3 -m benchmarks.check_logprob_gap                # CUDA: Qwen2.5 0.5B, 1.5B, 7B layers + LoRA r=16, bf16
+    python3 -m benchmarks.check_logprob_gap --tiny         # CPU smoke run on the tiny model (float32: gaps near 0)
 
 Per model (random init; `NAME:loraR` wraps it in a LoRA adapter of rank R on every linear layer, with B drawn so the
 adapter changes the weights as a trained one does) the paged rollout engine samples `--rows` rows (groups of 8
@@ -44,11 +44,11 @@ import traceback
 from typing import NamedTuple
 
 import torch
-from result_file import ResultFile, default_output, finish
-from timing import timed_call
 from trl.trainer.utils import add_fused_lm_head
-from workload import EOS_TOKEN_ID, PAD_TOKEN_ID, config_path, random_model, token_prompts, with_lora
 
+from benchmarks.result_file import ResultFile, default_output, finish
+from benchmarks.timing import timed_call
+from benchmarks.workload import EOS_TOKEN_ID, PAD_TOKEN_ID, config_path, random_model, token_prompts, with_lora
 from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
 
 DEFAULT_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b:lora16"]

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import torch
-from timing import StepTimer, time_methods
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from workload import config_path, prompts, word_tokenizer
 
+from benchmarks.timing import StepTimer, time_methods
+from benchmarks.workload import config_path, prompts, word_tokenizer
 from trl_dapo import DAPOConfig, DAPOTrainer
 from trl_dapo.testing import ScriptedRollout, build_tiny_model
 

@@ -1,8 +1,8 @@
 """Where the paged engine's decode step spends its device time.
 
-    python benchmarks/profile_decode.py                                  # 7B + LoRA at 64 x 512, 0.5B at 128 x 256
-    python benchmarks/profile_decode.py --models qwen2.5-1.5b@128x256
-    python benchmarks/profile_decode.py --tiny                           # CPU smoke run on the tiny local model
+    python3 -m benchmarks.profile_decode                                  # 7B + LoRA at 64 x 512, 0.5B at 128 x 256
+    python3 -m benchmarks.profile_decode --models qwen2.5-1.5b@128x256
+    python3 -m benchmarks.profile_decode --tiny                           # CPU smoke run on the tiny local model
 
 A model is `NAME[:lora]@ROWSxNEW`: the config (`configs/NAME.json`; `:lora` wraps it in a LoRA r=16 adapter, which
 the engine merges), ROWS rows of 32-token prompts in groups of 16, NEW tokens pinned. Per model:
@@ -30,12 +30,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from bench_rollout import build_model, release_memory
-from result_file import ResultFile, default_output, finish
-from timing import copy_bandwidth, timed_call
 from torch.profiler import ProfilerActivity, profile
-from workload import EOS_TOKEN_ID, PAD_TOKEN_ID, token_prompts
 
+from benchmarks.bench_rollout import build_model, release_memory
+from benchmarks.result_file import ResultFile, default_output, finish
+from benchmarks.timing import copy_bandwidth, timed_call
+from benchmarks.workload import EOS_TOKEN_ID, PAD_TOKEN_ID, token_prompts
 from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
 from trl_dapo.rollout.paged_attention import num_splits, reference_decode_attention, triton_decode_attention
 from trl_dapo.rollout.paged_engine import slot_bucket

@@ -10,7 +10,8 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-from workload import HERE
+
+from benchmarks.workload import HERE
 
 PACKAGES = ("torch", "transformers", "trl", "accelerate", "peft")
 

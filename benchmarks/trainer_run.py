@@ -9,10 +9,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from timing import StepProfiler, StepTimer, time_methods
 from trl import GRPOConfig, GRPOTrainer
-from workload import parity_reward
 
+from benchmarks.timing import StepProfiler, StepTimer, time_methods
+from benchmarks.workload import parity_reward
 from trl_dapo import DAPOConfig, DAPOTrainer
 
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+ROOT = Path(__file__).parent.parent
 # The tiny local model (trl_dapo.testing): vocabulary 366, hidden 64, MLP 128, 2 layers, 4 query / 2 key-value heads
 # of 16 dims, q/k/v biases, tied embeddings. Parameters: per layer q 64*64+64, k and v 64*32+32 each, o 64*64,
 # gate/up/down 3*64*128, two norms 2*64 = 37,120; 2 layers + embedding 366*64 + final norm 64 = 97,728.
@@ -16,8 +16,8 @@ TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # keys and values, layers, kv head
 
 def run_tiny(script: str, tmp_path: Path, *arguments: str) -> tuple[str, dict]:
     output = tmp_path / f"{script}.json"
-    command = [sys.executable, str(BENCHMARKS / f"{script}.py"), "--tiny", *arguments, "--output", str(output)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    command = [sys.executable, "-m", f"benchmarks.{script}", "--tiny", *arguments, "--output", str(output)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout, json.loads(output.read_text())
 
@@ -147,10 +147,10 @@ def test_profile_decode_tiny_counts_steps_and_the_products_bytes(tmp_path):
 def test_multi_gpu_bench_on_cpu_processes_matches_one_rank(tmp_path):
     output = tmp_path / "multi.json"
     command = [
-        sys.executable, str(BENCHMARKS / "bench_multi_gpu.py"), "--tiny", "--configs", "cpu_ddp", "--steps", "2",
+        sys.executable, "-m", "benchmarks.bench_multi_gpu", "--tiny", "--configs", "cpu_ddp", "--steps", "2",
         "--output", str(output),
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     (row,) = json.loads(output.read_text())["rows"]
     assert row["processes"] == 2
@@ -163,11 +163,11 @@ def test_multi_gpu_rollout_bench_on_cpu_processes(tmp_path):
     generated tokens, with the engine where asked and TRL's path otherwise."""
     output = tmp_path / "rollout.json"
     command = [
-        sys.executable, str(BENCHMARKS / "bench_multi_gpu.py"), "--tiny", "--rollout", "--rollout-runs",
+        sys.executable, "-m", "benchmarks.bench_multi_gpu", "--tiny", "--rollout", "--rollout-runs",
         "cpu_ddp:engine", "cpu_ddp:trl", "--processes", "2", "--rows-per-step", "16", "--ga", "2", "--new-tokens", "4",
         "--steps", "2", "--output", str(output),
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=BENCHMARKS)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     engine, trl = json.loads(output.read_text())["rows"]
     assert (engine["generation"], engine["rollout_engine"], trl["generation"], trl["rollout_engine"]) == (
