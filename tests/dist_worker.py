@@ -3,6 +3,8 @@
 - `scripted`: one step on a scripted rollout where dynamic sampling filters and draws extra rounds;
 - `partial`: dynamic sampling finds fewer informative groups than the batch needs (train_on_partial), so each rank
   holds fewer rows than micro-batches and some micro-batches are empty;
+- `sparse`: one informative group of 2 rows for 2 optimizer steps with the old policy recomputed: each step has one
+  row, so on 2 ranks one rank has none and runs empty passes (a stand-in row), its recompute pass included;
 - `defaults`: `DAPOConfig`'s defaults (16 samples per prompt, 16 completions per device) with real generation;
 - `recomputed`: `scripted` with the old policy recomputed on each rank's rows and a sequence-level correction;
 - `scripted`, `partial` and `recomputed` train padding-free (`padding_free=True`: on the CPU the per-row reference
@@ -30,6 +32,17 @@ def reward_by_prompt(completion_ids, index, **kwargs) -> list[float]:
     """All-correct for a third of the prompts, all-wrong for a third, varied for the rest: dynamic sampling filters
     two thirds of the groups and draws extra rounds."""
     return [[1.0, float(len(ids) % 2), 0.0][i % 3] for ids, i in zip(completion_ids, index, strict=True)]
+
+
+class OnePromptInformative:
+    """Varied within the group for one prompt only (set once the sampler's first prompt is known), constant else."""
+
+    def __init__(self) -> None:
+        self.prompt = -1
+        self.__name__ = "one_prompt_informative"
+
+    def __call__(self, completion_ids, index, **kwargs) -> list[float]:
+        return [float(j % 2) if i == self.prompt else 0.0 for j, i in enumerate(index)]
 
 
 def informative_by_prompt(completion_ids, index, **kwargs) -> list[float]:
@@ -81,7 +94,19 @@ def trainers(model_path: str, output: str, world: int) -> dict[str, RecordingDAP
     )  # fmt: skip
     stream_run = dict(reward_funcs=informative_by_prompt, train_dataset=arithmetic_prompts(40))
     scripted_run = dict(reward_funcs=reward_by_prompt, train_dataset=arithmetic_prompts(40), rollout_func=rollout)
+    sparse_args = dapo_args(
+        output + ".sparse", num_generations=2, per_device_train_batch_size=4 // world, gradient_accumulation_steps=4,
+        steps_per_generation=8, max_num_gen_batches=1, old_logprobs="recompute", learning_rate=0.1, max_steps=2,
+        padding_free=True,
+    )  # fmt: skip
+    one_prompt = OnePromptInformative()
+    sparse = RecordingDAPOTrainer(
+        model=model_path, reward_funcs=one_prompt, args=sparse_args, train_dataset=arithmetic_prompts(40),
+        rollout_func=rollout,
+    )  # fmt: skip
+    one_prompt.prompt = next(iter(sparse._get_train_sampler()))  # the same on every rank (seeded)
     return {
+        "sparse": sparse,
         "scripted": RecordingDAPOTrainer(model=model_path, args=scripted, **scripted_run),
         "scripted_padded": RecordingDAPOTrainer(
             model=model_path,
@@ -120,6 +145,19 @@ def accepted_rows(trainer: RecordingDAPOTrainer) -> list:
     ]
 
 
+def count_no_grad_forwards(trainer) -> list:
+    """Each no-grad logprob forward the trainer runs (TRL's passes, the old policy's recomputation) is appended."""
+    calls, forward = [], trainer._get_per_token_logps_and_entropies
+
+    def counted(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            calls.append(1)
+        return forward(*args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = counted
+    return calls
+
+
 def every_rank(value, world: int) -> list:
     gathered = [value]
     if world > 1:
@@ -135,9 +173,12 @@ def main(model_path: str, output: str) -> None:
         trainer.accepted, trainer.dataloader = [], []
         if name.startswith("stream"):  # the trainers were all built first: start each stream run from its seed
             set_seed(trainer.args.seed)
+        no_grad_forwards = count_no_grad_forwards(trainer)
         trainer.train()
         dataloader = [index for rank in every_rank(trainer.dataloader[0], world) for index in rank]
-        passes = [[rows for rows in mb.passes if rows is not None] for mb in trainer._buffered_inputs]
+        passes = [
+            [p for p, empty in zip(mb.passes, mb.empty, strict=True) if not empty] for mb in trainer._buffered_inputs
+        ]
         micro_batch_rows = [sum(int(rows["completion_ids"].size(0)) for rows in mb) for mb in passes]
         micro_batch_tokens = [sum(int(rows["completion_mask"].sum()) for rows in mb) for mb in passes]
         results[name] = {
@@ -149,6 +190,7 @@ def main(model_path: str, output: str) -> None:
             "global_step": trainer.state.global_step,
             "generation_batch_size": trainer.args.generation_batch_size,
             "micro_batch_rows": every_rank(micro_batch_rows, world),
+            "no_grad_forwards": every_rank(len(no_grad_forwards), world),
             "micro_batch_tokens": every_rank(micro_batch_tokens, world),
             "dataloader": dataloader,
             "index_of_prompt": {

@@ -72,9 +72,15 @@ def launch_worker(script: str, processes: int, model: str, output: Path) -> None
 
 
 def trained_rows(trainer, micro_batches=None) -> dict:
-    """The rows of `micro_batches` (default: the whole buffered generation batch) as one padded batch, in pass order."""
+    """The rows of `micro_batches` (default: the whole buffered generation batch) as one padded batch, in pass order
+    (an empty pass's stand-in row left out)."""
     from trl_dapo.sampling.rollout_batch import concat_rollouts
 
     micro_batches = trainer._buffered_inputs if micro_batches is None else micro_batches
-    passes = [rows for micro_batch in micro_batches for rows in micro_batch.passes if rows is not None]
+    passes = [
+        rows
+        for micro_batch in micro_batches
+        for rows, empty in zip(micro_batch.passes, micro_batch.empty, strict=True)
+        if not empty
+    ]
     return concat_rollouts(passes, trainer._tokenizer.pad_token_id)

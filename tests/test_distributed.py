@@ -79,6 +79,20 @@ def test_padding_free_and_padded_passes_make_the_same_update_on_one_and_two_rank
 
 
 @pytest.mark.distributed
+def test_a_rank_with_no_rows_in_a_step_runs_empty_passes_in_step_with_the_other(runs, tiny_model):
+    """One informative group of 2 rows over 2 optimizer steps: on 2 ranks each step has one row, so one rank trains
+    nothing; its empty passes (forward, backward, metrics, and the recompute pass of the old policy) keep it in step
+    with the other rank, and the two updates are the 1-rank run's."""
+    one, two = (run["sparse"] for run in runs)
+    assert two["global_step"] == 2 and two["metrics"][0]["dapo/qualified_groups"] == 1
+    rows = two["micro_batch_rows"]  # per rank, the generation batch's 8 micro-batches (2 steps)
+    assert [sum(rank_rows) for rank_rows in rows] == [2, 0]  # each step's one row goes to the lower rank
+    assert two["no_grad_forwards"][0] == two["no_grad_forwards"][1] > 0
+    assert one["rows"] == two["rows"]
+    assert_same_update(one, two, tiny_model)
+
+
+@pytest.mark.distributed
 def test_the_default_config_trains_on_one_and_two_processes(runs):
     one, two = (run["defaults"] for run in runs)
     assert (one["generation_batch_size"], two["generation_batch_size"]) == (16, 32)  # 16 per process

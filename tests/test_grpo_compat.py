@@ -228,7 +228,9 @@ def test_mixture_of_experts_aux_loss_is_scaled_as_trl_scales_it(moe_model, tmp_p
         trainer.model.train()
         if kind == "dapo":  # an optimizer step of two micro-batches, one pass each, the same rows
             metrics = StepMetrics()
-            step = [MicroBatch([dict(inputs)], torch.tensor(40.0), 2, metrics, last) for last in (False, True)]
+            step = [
+                MicroBatch([dict(inputs)], [False], torch.tensor(40.0), 2, metrics, last) for last in (False, True)
+            ]
             losses[kind] = [trainer._compute_loss(trainer.model, micro_batch).item() for micro_batch in step][-1]
         else:
             trainer.current_gradient_accumulation_steps = 2

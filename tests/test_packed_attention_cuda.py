@@ -70,3 +70,38 @@ def test_a_packed_bf16_forward_scores_rows_as_their_own_forwards(tmp_path):
             logits = model(input_ids=ids).logits[0, -completion - 1 : -1].float()
             expected = logits.log_softmax(-1).gather(1, ids[0, -completion:].unsqueeze(1)).squeeze(1)
             torch.testing.assert_close(logps[row, :completion].float(), expected, atol=0.1, rtol=0.05)
+
+
+def test_rows_of_one_length_take_the_dense_path_and_match_the_reference():
+    torch.manual_seed(0)
+    inputs = [
+        torch.randn(1, h, 4 * 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (12, 2, 2)
+    ]
+    bounds = torch.arange(0, 4 * 300 + 1, 300, device="cuda")
+    out = packed_attention(*inputs, bounds, 300, scaling=None)
+    reference_inputs = [x.detach().float().requires_grad_() for x in inputs]
+    reference = reference_packed_attention(*reference_inputs, bounds, scaling=None)
+    torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
+    grads = torch.autograd.grad(out.float().sum(), inputs)
+    reference_grads = torch.autograd.grad(reference.sum(), reference_inputs)
+    for value, expected in zip(grads, reference_grads, strict=True):
+        torch.testing.assert_close(value.float(), expected, atol=5e-2, rtol=5e-2)
+
+
+def test_float32_weights_under_bf16_autocast_reach_the_flash_kernel(tmp_path, monkeypatch):
+    """Rotary embeddings upcast q and k to float32 when the weights are float32: the dispatcher casts them to
+    autocast's precision, so the packed call runs the flash kernel rather than one SDPA call per row."""
+    import trl_dapo.trainer.packed_attention as packed_module
+
+    calls = []
+    kernel = packed_module.flash_varlen_attention
+    monkeypatch.setattr(packed_module, "flash_varlen_attention", lambda *a: calls.append(1) or kernel(*a))
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"), dtype=torch.float32).cuda()
+    enable_packed_attention(model)
+    add_fused_lm_head(model)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]], device="cuda")
+    packed = pack_rows(ids, (ids != 0).long(), 2)
+    with torch.autocast("cuda", dtype=torch.bfloat16), packed_forward_context():
+        model(input_ids=packed.input_ids, position_ids=packed.position_ids, labels=packed.labels, fused_lm_head=True,
+              **packed.attention_kwargs())  # fmt: skip
+    assert len(calls) == model.config.num_hidden_layers

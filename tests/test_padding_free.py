@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from trl.trainer.utils import add_fused_lm_head
 
 from helpers import arithmetic_prompts, dapo_args, length_reward
@@ -13,6 +13,7 @@ from trl_dapo import DAPOTrainer
 from trl_dapo.testing import ScriptedRollout
 from trl_dapo.trainer.micro_batches import deal_by_tokens, plan_step
 from trl_dapo.trainer.packed_attention import (
+    PACKABLE_MODEL_TYPES,
     enable_packed_attention,
     packed_attention,
     packed_forward_context,
@@ -72,7 +73,7 @@ def test_rows_of_one_length_attend_as_a_dense_batch():
         torch.testing.assert_close(got, expected)
 
 
-def uneven_rows(tokenizer, width: int = 9):
+def uneven_rows(width: int = 9):
     """Rows of prompt + completion tokens: prompts of 3-6 tokens, completions of 1 token, of `width` (the longest a
     completion may be) and between; left-padded prompts, right-padded completions, as TRL lays them out."""
     prompts = [[11, 12, 13], [14, 15, 16, 17, 18, 19], [20, 21, 22, 23], [24, 25, 26]]
@@ -86,15 +87,33 @@ def uneven_rows(tokenizer, width: int = 9):
     return torch.tensor(rows), torch.tensor(masks)
 
 
-@pytest.mark.parametrize("kind", ["causal_lm", "moe"])
-def test_a_packed_forward_scores_each_row_as_its_own_forward(tmp_path, kind):
-    """Through the model's own (switched) attention and TRL's fused head, each packed row's logprobs and entropies
-    are those of a forward over that row alone; the padded forward is unchanged by the switch."""
-    from trl_dapo.testing import build_tiny_model
+# A tiny model of each packable family: 2 layers, width 64, 4 query / 2 key-value heads of 16 dims, small experts.
+TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0,
+)  # fmt: skip
+EXPERTS = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+    ),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+}
 
-    path = build_tiny_model(tmp_path / kind, kind=kind)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    input_ids, attention = uneven_rows(AutoTokenizer.from_pretrained(path))
+
+def tiny_model_of(model_type: str):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **TINY, **EXPERTS.get(model_type, {}))
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("model_type", sorted(PACKABLE_MODEL_TYPES))
+def test_a_packed_forward_scores_each_row_as_its_own_forward(model_type):
+    """For each model family that packs: through the model's own (switched) attention and TRL's fused head, each
+    packed row's logprobs and entropies are those of a forward over that row alone; the padded forward is unchanged
+    by the switch."""
+    model = tiny_model_of(model_type)
+    input_ids, attention = uneven_rows()
     padded_before = model(input_ids=input_ids, attention_mask=attention).logits
     assert why_model_cannot_pack(model, is_multimodal=False) is None
     enable_packed_attention(model)
@@ -125,13 +144,32 @@ def test_a_packed_forward_scores_each_row_as_its_own_forward(tmp_path, kind):
         assert not logps[row, completion:].any()
 
 
+def test_a_row_with_an_empty_prompt_is_not_scored_from_the_row_before():
+    """A row whose prompt has no real token starts with a completion token: it has no earlier token of its own row,
+    so it gets no label (scored from the previous row's last token it would mix the rows)."""
+    ids = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]])
+    packed = pack_rows(ids, (ids != 0).long(), scored_width=2)
+    assert packed.labels.tolist() == [[IGNORED_LABEL, IGNORED_LABEL, 7, 8, IGNORED_LABEL, 10]]
+
+
 def test_models_that_cannot_pack_say_why(tmp_path):
+    """Eager attention, a multimodal model, a convolution layer between attention layers (LFM2: it would run across
+    the packed rows), a sliding window, a family not checked."""
     from trl_dapo.testing import build_tiny_model
 
     path = build_tiny_model(tmp_path / "m")
     eager = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
     assert "attn_implementation='eager'" in why_model_cannot_pack(eager, is_multimodal=False)
     assert "multimodal" in why_model_cannot_pack(AutoModelForCausalLM.from_pretrained(path), is_multimodal=True)
+    lfm2 = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(
+            "lfm2", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        )
+    )
+    assert "'lfm2' is not among" in why_model_cannot_pack(lfm2, is_multimodal=False)
+    windowed = tiny_model_of("mistral")
+    windowed.config.sliding_window = 8
+    assert "a window of 8 tokens" in why_model_cannot_pack(windowed, is_multimodal=False)
 
 
 def test_rows_are_dealt_longest_first_to_the_lightest_bin():
@@ -180,14 +218,20 @@ def train(tiny_model, output, **overrides) -> DAPOTrainer:
     "settings",
     [
         dict(gradient_accumulation_steps=2, steps_per_generation=4, num_iterations=2),
-        dict(gradient_accumulation_steps=2, steps_per_generation=4, old_logprobs="recompute"),
+        dict(
+            gradient_accumulation_steps=2,
+            steps_per_generation=4,
+            old_logprobs="recompute",
+            gradient_checkpointing=True,
+        ),
         dict(gradient_accumulation_steps=4, old_logprobs="recompute", rollout_correction="token_mask"),
     ],
-    ids=["iterations", "recompute", "correction"],
+    ids=["iterations", "recompute-checkpointing", "correction"],
 )
 def test_padding_free_training_equals_padded_training(tiny_model, tmp_path, settings):
     """The same run (scripted rows of 1 to 8 completion tokens, 8 the limit) padded and padding-free, with a cap of
-    60 tokens (2 rows a pass): the same parameters after every update, and every logged metric the same."""
+    60 tokens (2 rows a pass): the same parameters after every update, and every logged metric the same. With
+    gradient checkpointing the packed layers are recomputed in the backward, after the packed forward returned."""
     common = dict(per_device_train_batch_size=4, max_steps=4, **settings)
     padded = train(tiny_model, tmp_path / "padded", padding_free=False, **common)
     packed = train(tiny_model, tmp_path / "packed", padding_free=True, padding_free_max_tokens=60, **common)

@@ -17,7 +17,7 @@ from trl_dapo.sampling import (
     plan_round_groups,
     solve_rate,
 )
-from trl_dapo.sampling.rollout_batch import concat_rollouts, select_rows, shard_rows, trim_padding
+from trl_dapo.sampling.rollout_batch import concat_rollouts, select_rows, trim_padding
 
 G = 2
 
@@ -245,7 +245,7 @@ def test_prompt_stream_covers_each_epoch_and_resumes(streaming):
     assert [row["i"] for row in again.take(7)] == following
 
 
-def test_concat_repads_and_shard_trims():
+def test_concat_repads_and_trim_drops_padding_columns():
     short = make_batch([1], completion_len=2)
     long = make_batch([2], completion_len=4)
     long["prompt_ids"] = torch.tensor([[7, 8, 12]] * G)
@@ -254,8 +254,6 @@ def test_concat_repads_and_shard_trims():
     assert both["completion_ids"].shape == (4, 4) and both["prompt_ids"].shape == (4, 3)
     assert both["completion_mask"][:2].tolist() == [[1, 1, 0, 0]] * 2
     assert both["prompt_mask"][:2].tolist() == [[0, 0, 1]] * 2  # left padding grows on the left
-    first = shard_rows(both, rank=0, world_size=2)
-    assert first["completion_ids"].shape == (2, 2) and first["prompt_ids"].shape == (2, 1)
     whole, head = trim_padding([both, select_rows(both, slice(0, 2))])  # each trimmed to its own used columns
     assert whole["completion_ids"].shape == (4, 4) and whole["prompt_ids"].shape == (4, 3)
     assert head["completion_ids"].tolist() == short["completion_ids"].tolist()

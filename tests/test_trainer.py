@@ -599,8 +599,8 @@ def test_recompute_reuses_trls_pass_and_refreshes_surplus_rows(tiny_model, tmp_p
 
 def test_every_rank_runs_each_recompute_pass_some_rank_needs(tiny_model, tmp_path, monkeypatch):
     """A sharded model (ZeRO-3, FSDP) gathers weights in each forward with every rank taking part, so a rank runs every
-    pass that holds a stale row on any rank (emulated by the max reduction): its own stale rows are recomputed, its
-    other rows computed and their logprobs kept, and where it has no rows for that pass it runs an empty one."""
+    pass that holds a stale row on any rank (emulated by the max reduction), its empty passes' stand-in rows included:
+    its own stale rows are recomputed, its other rows computed and their logprobs kept."""
     trainer = make_trainer(
         tiny_model, tmp_path, scripted=True, dynamic_sampling=False, max_steps=1, old_logprobs="recompute",
         per_device_train_batch_size=8, gradient_accumulation_steps=2,
@@ -614,9 +614,12 @@ def test_every_rank_runs_each_recompute_pass_some_rank_needs(tiny_model, tmp_pat
     second = {key: value[4:8].clone() for key, value in batch.items()}
     first.update(old_per_token_logps=kept[:4], **{OLD_LOGPROBS_STEP: torch.tensor([step, -1, -1, step])})
     second.update(old_per_token_logps=kept[4:8], **{OLD_LOGPROBS_STEP: torch.tensor([step] * 4)})
+    stand_in = {key: value[:1].clone() for key, value in batch.items()}
+    stand_in.update(old_per_token_logps=kept[:1], **{OLD_LOGPROBS_STEP: torch.tensor([step])})
+    one = batch["advantages"].new_ones(())
     micro_batches = [
-        MicroBatch([first, None], batch["advantages"].new_ones(()), 3, StepMetrics(), False),
-        MicroBatch([second], batch["advantages"].new_ones(()), 3, StepMetrics(), True),
+        MicroBatch([first, stand_in], [False, True], one, 3, StepMetrics(), False),
+        MicroBatch([second], [False], one, 3, StepMetrics(), True),
     ]
     forwarded = []
     forward = trainer._get_per_token_logps_and_entropies
@@ -628,7 +631,7 @@ def test_every_rank_runs_each_recompute_pass_some_rank_needs(tiny_model, tmp_pat
     monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", counted)
     monkeypatch.setattr(trainer.accelerator, "reduce", lambda tensor, reduction: torch.ones_like(tensor))
     trainer._with_old_policy(micro_batches)
-    assert forwarded == [4, 1, 4]  # the first pass, an empty one, the second pass (stale on another rank)
+    assert forwarded == [4, 1, 4]  # the first pass, the stand-in row, the second pass (stale on another rank)
     expected = teacher_forced_logprobs(trainer.model, batch) * mask
     old = torch.cat([first["old_per_token_logps"], second["old_per_token_logps"]])
     torch.testing.assert_close(old[1:3], expected[1:3], atol=1e-5, rtol=1e-5)

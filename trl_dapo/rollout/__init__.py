@@ -9,7 +9,7 @@ import torch
 from .paged_engine import GenerationOutput, PagedRolloutEngine, RolloutStats, RolloutStream
 from .sampling import SamplingSettings
 from .sharded import is_zero3, parameter_gather
-from .weights import SUPPORTED_MODEL_TYPES
+from .weights import SUPPORTED_MODEL_TYPES, sliding_window
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ def why_engine_cannot_serve(trainer) -> str | None:
         (trainer._is_vlm, "multimodal model"),
         (config.model_type not in SUPPORTED_MODEL_TYPES, f"model type {config.model_type!r} is not supported"),
         (
-            _sliding_window(config) is not None,
-            f"sliding-window attention (a window of {_sliding_window(config)} tokens; the engine attends to the whole "
+            sliding_window(config) is not None,
+            f"sliding-window attention (a window of {sliding_window(config)} tokens; the engine attends to the whole "
             "context)",
         ),
         (
@@ -61,14 +61,6 @@ def why_engine_cannot_serve(trainer) -> str | None:
         (bool(set(args.generation_kwargs or {}) - SUPPORTED_GENERATION_KWARGS), "unsupported generation_kwargs"),
     ]
     return next((reason for failed, reason in checks if failed), None)
-
-
-def _sliding_window(config) -> int | None:
-    """The attention window of a model that uses one shorter than its context (Mistral v0.1's 4,096), else None."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    return window if window < (getattr(config, "max_position_embeddings", None) or window + 1) else None
 
 
 def select_rollout_engine(trainer) -> PagedRolloutEngine | None:

@@ -104,15 +104,6 @@ def gather_rollout(batch: RolloutBatch, accelerator, pad_token_id: int) -> Rollo
     return out
 
 
-def shard_rows(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
-    """Rank `rank`'s contiguous share of the rows (equal shares; the caller makes the row count divisible)."""
-    rows = num_rows(batch)
-    if rows % world_size != 0:
-        raise ValueError(f"{rows} rows cannot be shared equally by {world_size} ranks.")
-    share = rows // world_size
-    return trim_padding([select_rows(batch, slice(rank * share, (rank + 1) * share))])[0]
-
-
 def loss_mask(batch: RolloutBatch) -> torch.Tensor:
     """The tokens the loss counts: completion tokens the policy sampled (not padding, not tool or environment output).
     The one rule for the loss, its token-mean denominator, the logprob checks and every per-token metric."""

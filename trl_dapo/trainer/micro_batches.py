@@ -33,7 +33,10 @@ RankPlan = list[list[list[int]]]
 class MicroBatch:
     """What one `training_step` of the Trainer trains on this rank: its passes, each a forward and a backward."""
 
-    passes: list[RolloutBatch | None]  # None: a pass other ranks run and this one has no rows for (an empty pass)
+    passes: list[RolloutBatch]
+    # A pass other ranks run and this one has no rows for: a stand-in row of the step, trained with zero weight, so
+    # this rank's forward, backward (every parameter gets its zero gradient) and metrics join the collectives.
+    empty: list[bool]
     step_tokens: torch.Tensor  # loss tokens of the whole optimizer step, all micro-batches and ranks
     step_passes: int  # passes of the optimizer step on each rank (TRL's MoE router term is averaged over them)
     metrics: StepMetrics  # the step's loss metrics, shared by its micro-batches
@@ -61,19 +64,18 @@ def split_generation_batch(
     for step_rows in _split_evenly(order, optimizer_steps):
         plans = plan_step([costs[row] for row in step_rows], world, micro_batches, max_tokens)
         step_tokens = count_loss_tokens(select_rows(batch, torch.tensor(step_rows, dtype=torch.long))).float()
-        kept = [_passes_run_by_some_rank(plans, index) for index in range(micro_batches)]
-        metrics = StepMetrics()
+        runs = [_passes_run_by_some_rank(plans, index) for index in range(micro_batches)]
+        step_passes, metrics = sum(map(sum, runs)), StepMetrics()
         for index, micro_plan in enumerate(plans[rank]):
             passes = [
-                [step_rows[row] for row in rows_of_pass] if rows_of_pass else None
-                for rows_of_pass, run in zip(micro_plan, kept[index], strict=True)
-                if run
+                [step_rows[row] for row in rows] for rows, run in zip(micro_plan, runs[index], strict=True) if run
             ]
             out.append(
                 MicroBatch(
-                    passes=_select_passes(batch, passes),
+                    passes=_select_passes(batch, passes, stand_in=step_rows[0] if step_rows else 0),
+                    empty=[not rows for rows in passes],
                     step_tokens=step_tokens.to(batch["completion_ids"].device),
-                    step_passes=sum(map(sum, kept)),
+                    step_passes=step_passes,
                     metrics=metrics,
                     ends_step=index == micro_batches - 1,
                 )
@@ -86,12 +88,12 @@ def _passes_run_by_some_rank(plans: list[RankPlan], micro_batch: int) -> list[bo
     return [any(plan[micro_batch][index] for plan in plans) for index in range(len(plans[0][micro_batch]))]
 
 
-def _select_passes(batch: RolloutBatch, passes: list[list[int] | None]) -> list[RolloutBatch | None]:
-    """The passes' rows, each trimmed to its own widest prompt and completion (one host synchronisation)."""
+def _select_passes(batch: RolloutBatch, passes: list[list[int]], stand_in: int) -> list[RolloutBatch]:
+    """The passes' rows, each trimmed to its own widest prompt and completion (one host synchronisation); an empty
+    pass gets row `stand_in` (trained with zero weight)."""
     device = batch["completion_ids"].device
-    selected = [select_rows(batch, torch.tensor(rows, device=device)) for rows in passes if rows is not None]
-    trimmed = iter(trim_padding(selected) if selected else [])
-    return [None if rows is None else next(trimmed) for rows in passes]
+    selected = [select_rows(batch, torch.tensor(rows or [stand_in], device=device)) for rows in passes]
+    return trim_padding(selected) if selected else []
 
 
 def deal_by_tokens(tokens: Sequence[int], rows: Sequence[int], bins: int) -> list[list[int]]:

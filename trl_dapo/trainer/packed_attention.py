@@ -15,21 +15,29 @@ Models with flash-attention already pack natively from the same keyword argument
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..rollout.weights import sliding_window
+
 PACKED_PREFIX = "trl_dapo_packed_"
 # Implementations the dispatcher wraps: their padded calls keep working unchanged.
 WRAPPED_IMPLEMENTATIONS = ("sdpa", "flex_attention")
 # transformers' flash-attention paths read the row bounds from the same keyword arguments themselves.
 NATIVE_PACKED_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+# Decoder families whose layers are all causal attention over rotary positions and whose attention goes through
+# transformers' attention interface: a packed forward of each equals its rows' own forwards (tests/test_padding_free.py).
+PACKABLE_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "phi3", "olmo2"}
+)
 
 try:  # PyTorch >= 2.9
     from torch.nn.attention.varlen import varlen_attn
@@ -52,10 +60,14 @@ def packed_implementation(base: str) -> str:
 
 def _dispatcher(base: Callable) -> Callable:
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        cu_seq_lens = kwargs.get("cu_seq_lens_q")
-        if cu_seq_lens is None:
+        bounds = kwargs.get("cu_seq_lens_q")
+        # packed: the same bounds for keys as for queries and as many keys as queries (no cache, no paged batch)
+        if bounds is None or kwargs.get("cu_seq_lens_k") is not bounds or key.size(2) != query.size(2):
             return base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        return packed_attention(query, key, value, cu_seq_lens, int(kwargs["max_length_q"]), scaling), None
+        if torch.is_autocast_enabled(query.device.type):  # rotary upcasts: run the kernel in autocast's precision
+            dtype = torch.get_autocast_dtype(query.device.type)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        return packed_attention(query, key, value, bounds, int(kwargs["max_length_q"]), scaling), None
 
     return attention
 
@@ -65,33 +77,28 @@ def _mask_dispatcher(base: Callable) -> Callable:
     model's own mask for every other call. The dispatcher never reads a mask in packed calls."""
 
     def mask(*args, attention_mask=None, q_length=None, kv_length=None, **kwargs):
-        if attention_mask is None and q_length == kv_length and _packed_call.active:
+        if attention_mask is None and q_length == kv_length and _building_packed_masks:
             return None
         return base(*args, attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, **kwargs)
 
     return mask
 
 
-class _PackedCall:
-    """Set while a packed forward builds its masks (the mask functions see neither `position_ids` nor the row bounds).
-    The attention calls themselves dispatch on their keyword arguments alone, so a gradient-checkpointing recompute
-    after the forward returned is still packed."""
-
-    active = False
-
-    def __enter__(self) -> None:
-        type(self).active = True
-
-    def __exit__(self, *exc_info: object) -> None:
-        type(self).active = False
+# True while a packed forward builds its masks: mask functions see neither `position_ids` nor the row bounds. The
+# attention calls themselves dispatch on their keyword arguments alone, so a gradient-checkpointing recompute after the
+# forward returned is still packed.
+_building_packed_masks = False
 
 
-_packed_call = _PackedCall()
-
-
-def packed_forward_context() -> _PackedCall:
+@contextlib.contextmanager
+def packed_forward_context() -> Iterator[None]:
     """Wrap a packed forward: its mask construction returns no mask (the dense packed mask would be quadratic)."""
-    return _packed_call
+    global _building_packed_masks
+    outer, _building_packed_masks = _building_packed_masks, True
+    try:
+        yield
+    finally:
+        _building_packed_masks = outer
 
 
 def packed_attention(
@@ -173,26 +180,27 @@ def reference_packed_attention(
 
 
 def why_model_cannot_pack(model, is_multimodal: bool) -> str | None:
-    """Why `model` (unwrapped, PEFT's base model included) cannot run packed passes, or None when it can."""
+    """Why `model` (unwrapped, PEFT's base model included) cannot run packed passes, or None when it can. Only model
+    types whose every layer is attention with rotary positions are packed: a convolution or state-space layer (LFM2,
+    Mamba hybrids) or chunked attention (Llama 4) would mix tokens across the packed rows."""
     config = model.config
-    implementation = config._attn_implementation or "eager"
-    base = implementation.removeprefix(PACKED_PREFIX)
-    window = getattr(config, "sliding_window", None)
-    uses_window = window and getattr(config, "use_sliding_window", True) is not False
+    base = (config._attn_implementation or "eager").removeprefix(PACKED_PREFIX)
+    window = sliding_window(config)
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     checks = [
         (is_multimodal, "multimodal model (its image inputs are batched per row)"),
         (
-            not getattr(model, "_supports_attention_backend", False),
-            f"{type(model).__name__} has no attention interface",
+            config.model_type not in PACKABLE_MODEL_TYPES,
+            f"model type {config.model_type!r} is not among those checked to keep packed rows apart",
         ),
         (
             base not in (*WRAPPED_IMPLEMENTATIONS, *NATIVE_PACKED_IMPLEMENTATIONS),
             f"attn_implementation={base!r} (padding-free runs with 'sdpa', 'flex_attention' or flash attention)",
         ),
-        (bool(uses_window), f"sliding-window attention (a window of {window} tokens)"),
+        (window is not None, f"sliding-window attention (a window of {window} tokens)"),
+        (layer_types != {"full_attention"}, f"layers other than full attention ({sorted(layer_types)})"),
         (getattr(config, "attn_logit_softcapping", None) is not None, "attention logit soft-capping"),
         (bool(getattr(config, "attention_dropout", 0.0)), "attention dropout"),
-        (getattr(config, "is_causal", True) is False, "bidirectional attention"),
     ]
     return next((reason for failed, reason in checks if failed), None)
 

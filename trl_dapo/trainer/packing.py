@@ -4,7 +4,8 @@ TRL's passes take `(rows, width)` tensors: left-padded prompts, right-padded com
 where its attention mask is 1. Packed, those tokens follow each other row after row in one sequence of `T` tokens,
 `position_ids` restart at 0 on each row (so a row's positions do not depend on its padding), and each scored
 completion token keeps its own id as the label of TRL's fused head, which scores position `t` from the hidden state of
-`t - 1`. A row's first token is a prompt token, never scored, so no row is scored from the previous row's last token.
+`t - 1`. A row's first token (a prompt token, unless the prompt is empty) is never scored, so no row is scored from
+the previous row's last token.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, scored_widt
     real = attention_mask.bool()
     lengths = real.sum(dim=1)
     positions = real.cumsum(dim=1) - 1
-    scored = real.clone()
+    scored = real & (positions > 0)  # a row's first token has no earlier token of its own row to be scored from
     scored[:, : input_ids.size(1) - scored_width] = False
     labels = torch.where(scored, input_ids, IGNORED_LABEL)
     cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(dim=0), (1, 0)).to(torch.int32)

@@ -172,6 +172,8 @@ class DAPOTrainer(GRPOTrainer):
         model = model.get_base_model() if hasattr(model, "get_base_model") else model
         half = args.bf16 or args.fp16 or model.dtype in (torch.bfloat16, torch.float16)
         reason = why_model_cannot_pack(model, self._is_vlm)
+        if args.use_transformers_continuous_batching:
+            reason = "transformers' continuous batching generates through the model's own attention implementation"
         if args.padding_free is None and not (self.accelerator.device.type == "cuda" and half):
             reason = "padding_free=None packs where flash attention runs (CUDA with bf16 or fp16)"
         if reason is None and args.padding_free is not False:
@@ -333,7 +335,7 @@ class DAPOTrainer(GRPOTrainer):
                 )
             busy, pool, prefill = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").tolist()
             stats.busy_slot_steps, stats.pool_slot_steps, stats.prefill_tokens = int(busy), int(pool), int(prefill)
-        self._log_sampling(stats)
+        self._log_metrics("train", stats.metrics())
         if num_rows(batch):
             self._log_trained_batch(batch)
         return batch
@@ -584,17 +586,16 @@ class DAPOTrainer(GRPOTrainer):
             return output["sampling_per_token_logps"], recomputed
         if recomputed is None:
             # TRL's generation path: the training model itself sampled, so its forward pass gives the policy's logprobs
-            recomputed = self._no_grad_logprobs(output)
+            recomputed = self._no_grad_logprobs(output, batch_size=self.args.per_device_train_batch_size)
         return recomputed, recomputed
 
-    def _no_grad_logprobs(self, batch: RolloutBatch | None) -> torch.Tensor:
-        """The training model's logprobs of the completion tokens: no-grad forward passes of at most
-        `per_device_train_batch_size` rows (padding-free: `padding_free_max_tokens` tokens when set). `None`: an
-        empty pass, run for the collectives of the ranks that have rows."""
-        input_ids, attention_mask, width = _forward_inputs(self._empty_pass() if batch is None else batch)
+    def _no_grad_logprobs(self, batch: RolloutBatch, batch_size: int | None) -> torch.Tensor:
+        """The training model's logprobs of the completion tokens: no-grad forwards of at most `batch_size` rows
+        (padding-free: `padding_free_max_tokens` tokens when set; None: one forward, for a planned pass)."""
+        input_ids, attention_mask, width = _forward_inputs(batch)
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, width, batch_size=self.args.per_device_train_batch_size
+                self.model, input_ids, attention_mask, width, batch_size=batch_size
             )
         return logps
 
@@ -604,23 +605,21 @@ class DAPOTrainer(GRPOTrainer):
         step's rounds already computed keep them (never computed twice); the others (engine, vLLM or rollout_func
         rounds, surplus groups of an earlier step) get a no-grad forward over the training passes that hold them.
 
-        A pass is run where any rank's pass holds such a row, by every rank (an empty pass where it has no rows): a
+        A pass is run where any rank's pass holds such a row, by every rank (every rank has as many passes): a
         sharded model (ZeRO-3, FSDP) gathers its weights in each forward, with every rank taking part."""
-        passes = [rows for micro_batch in micro_batches for rows in micro_batch.passes]
-        if not passes or OLD_LOGPROBS_STEP not in next((rows for rows in passes if rows is not None), {}):
+        if self.args.old_logprobs != "recompute":
             return
-        stale = [None if rows is None else rows.pop(OLD_LOGPROBS_STEP) != self.state.global_step for rows in passes]
-        local = torch.stack([torch.zeros((), dtype=torch.bool) if s is None else s.any().cpu() for s in stale])
-        needed = self.accelerator.reduce(local.to(self.accelerator.device).int(), reduction="max").bool().tolist()
+        passes = [rows for micro_batch in micro_batches for rows in micro_batch.passes]
+        stale = [rows.pop(OLD_LOGPROBS_STEP) != self.state.global_step for rows in passes]
+        if not passes:  # no rank has a pass: the generation batch is empty everywhere
+            return
+        local = torch.stack([row_stale.any() for row_stale in stale]).int()
+        needed = self.accelerator.reduce(local, reduction="max").bool().tolist()
         for rows, row_stale, run in zip(passes, stale, needed, strict=True):
-            if not run:
-                continue
-            if rows is None:
-                self._no_grad_logprobs(None)
-                continue
-            old = rows["old_per_token_logps"]
-            logps = self._no_grad_logprobs(rows).to(old.dtype)
-            rows["old_per_token_logps"] = torch.where(loss_mask(rows).bool() & row_stale.unsqueeze(1), logps, old)
+            if run:
+                old = rows["old_per_token_logps"]
+                logps = self._no_grad_logprobs(rows, batch_size=None).to(old.dtype)
+                rows["old_per_token_logps"] = torch.where(loss_mask(rows).bool() & row_stale.unsqueeze(1), logps, old)
 
     # ------------------------------------------------------------------------------------------------- metrics
 
@@ -639,7 +638,7 @@ class DAPOTrainer(GRPOTrainer):
                     del metrics[name]
 
     def _log_rollout(self, batch: RolloutBatch) -> None:
-        """Rollout metrics of one candidate round, read back in one host synchronisation."""
+        """Rollout metrics of one candidate round."""
         mask = loss_mask(batch)
         named = {
             "rollout_logprobs_mean": (rollout_logprobs(batch) * mask).sum() / mask.sum().clamp(min=1),
@@ -648,25 +647,22 @@ class DAPOTrainer(GRPOTrainer):
         if OVERLONG_REWARD_NAME in self.reward_func_names:
             penalty = batch["rewards"][:, self.reward_func_names.index(OVERLONG_REWARD_NAME)]
             named["dapo/overlong_penalty_mean"] = penalty.mean()
-        self._append_metrics("train", list(named), torch.stack([v.float().to(mask.device) for v in named.values()]))
+        self._log_device_metrics(named)
 
     def _log_trained_batch(self, batch: RolloutBatch) -> None:
         """TRL's completion and reward metrics, for the accepted groups of this generation batch."""
-        metrics = trained_batch_metrics(batch, self.reward_weights, self.reward_func_names, self.num_generations)
-        self._append_metrics("train", list(metrics), torch.stack([value.float() for value in metrics.values()]))
+        self._log_device_metrics(
+            trained_batch_metrics(batch, self.reward_weights, self.reward_func_names, self.num_generations)
+        )
 
-    def _append_metrics(self, mode: str, names: list[str], values: torch.Tensor) -> None:
-        """Log device scalars with one host synchronisation (each `.item()` would be one)."""
-        for name, value in zip(names, values.tolist(), strict=True):
-            self._metrics[mode][name].append(value)
+    def _log_device_metrics(self, named: dict[str, torch.Tensor]) -> None:
+        """Training metrics held on the device, read back in one host synchronisation (each `.item()` would be one)."""
+        values = torch.stack([value.float().reshape(()) for value in named.values()]).tolist()
+        self._log_metrics("train", dict(zip(named, values, strict=True)))
 
-    def _log_step_metrics(self, mode: str, metrics: dict[str, float]) -> None:
-        for name, value in metrics.items():
-            self._metrics[mode][name].append(value)
-
-    def _log_sampling(self, stats: SamplingStats) -> None:
-        for name, value in stats.metrics().items():
-            self._metrics["train"][name].append(float(value))
+    def _log_metrics(self, mode: str, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            self._metrics[mode][name].append(float(value))
 
     # ------------------------------------------------------------------------------------------- micro-batches
 
@@ -769,12 +765,15 @@ class DAPOTrainer(GRPOTrainer):
         )
 
     def _packed_chunks(self, attention_mask: torch.Tensor, batch_size: int | None) -> list[slice | None]:
-        """The rows of each packed forward, in order; None for an empty forward that keeps this rank's forward count
-        equal to the other ranks' (needed only when the token cap cuts by tokens: row counts match on every rank)."""
+        """The rows of each packed forward, in order. `batch_size` None: one forward (a pass the step's plan sized).
+        Else `batch_size` rows a forward, as TRL's passes over a round's rows, whose counts match on every rank; with
+        `padding_free_max_tokens`, forwards cut by tokens instead, and None for an empty forward that keeps this
+        rank's forward count equal to the other ranks'."""
         rows, cap = attention_mask.size(0), self.args.padding_free_max_tokens
+        if batch_size is None:
+            return [slice(0, rows)]
         if cap is None:
-            step = rows if batch_size is None else batch_size
-            return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+            return [slice(start, min(start + batch_size, rows)) for start in range(0, rows, batch_size)]
         bounds, tokens = [0], 0
         for row, length in enumerate(attention_mask.sum(dim=1).tolist()):
             if tokens and tokens + length > cap:
@@ -820,8 +819,8 @@ class DAPOTrainer(GRPOTrainer):
         if not isinstance(inputs, MicroBatch):  # an evaluation batch (TRL's): its own step, one pass
             metrics = StepMetrics()
             step_tokens = self.accelerator.reduce(count_loss_tokens(inputs).float(), "sum")
-            loss = self._pass_loss(model, inputs, step_tokens, metrics, aux_weight=1.0, mode="eval")
-            self._log_step_metrics("eval", metrics.flush(self.accelerator))
+            loss = self._pass_loss(model, inputs, step_tokens, metrics, weight=1.0, aux_weight=1.0, mode="eval")
+            self._log_metrics("eval", metrics.flush(self.accelerator))
             return loss
         if not inputs.passes:
             # No forward pass and no gradient reaching the parameters (a micro-batch no rank has rows for): an
@@ -829,19 +828,19 @@ class DAPOTrainer(GRPOTrainer):
             loss = torch.zeros((), device=self.accelerator.device, requires_grad=True)
         else:
             earlier = torch.zeros((), device=self.accelerator.device)
-            for index, rows in enumerate(inputs.passes):
+            for index, (rows, empty) in enumerate(zip(inputs.passes, inputs.empty, strict=True)):
                 last = index == len(inputs.passes) - 1
                 with contextlib.nullcontext() if last else self._deferred_gradient_sync(model):
-                    loss = self._pass_loss(
-                        model, rows, inputs.step_tokens, inputs.metrics, aux_weight=1 / inputs.step_passes
-                    )
+                    weight = 0.0 if empty else 1.0
+                    aux_weight = weight / inputs.step_passes
+                    loss = self._pass_loss(model, rows, inputs.step_tokens, inputs.metrics, weight, aux_weight)
                     if not last:
                         self.accelerator.backward(loss, **self._backward_kwargs())
                         earlier = earlier + loss.detach()
             loss = loss + earlier  # the Trainer's backward reaches the last pass only; its log sees them all
-        if inputs.ends_step and inputs.metrics.tokens is not None:
-            self._log_step_metrics("train", inputs.metrics.flush(self.accelerator))
-        elif inputs.ends_step and not inputs.step_passes:
+        if inputs.ends_step and inputs.step_passes:
+            self._log_metrics("train", inputs.metrics.flush(self.accelerator))
+        elif inputs.ends_step:
             self._skipped_steps += 1
         return loss
 
@@ -854,12 +853,15 @@ class DAPOTrainer(GRPOTrainer):
             yield
             return
         state._set_sync_gradients(False)
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            deferred = contextlib.nullcontext()
+        elif getattr(self, "is_distributed_loading_by_transformers", False) and _sharded_at_load(self.model):
+            deferred = self._defer_fsdp_gradient_reduction()  # the Trainer's own, for a model sharded at load
+        else:
+            deferred = self.accelerator.no_sync(model)
         try:
-            if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            with deferred:
                 yield
-            else:
-                with self.accelerator.no_sync(model):
-                    yield
         finally:
             state._set_sync_gradients(True)
 
@@ -870,17 +872,16 @@ class DAPOTrainer(GRPOTrainer):
     def _pass_loss(
         self,
         model,
-        rows: RolloutBatch | None,
+        rows: RolloutBatch,
         step_tokens: torch.Tensor,
         metrics: StepMetrics,
+        weight: float,
         aux_weight: float,
         mode: str = "train",
     ) -> torch.Tensor:
-        """The DAPO loss of one pass's rows against the old policy, normalised by the step's token count; its
-        metrics added to `metrics`. `None`: an empty pass (a forward with zero loss, for the collectives)."""
-        if rows is None:
-            logps, _, _ = self._get_per_token_logps_and_entropies(model, *_forward_inputs(self._empty_pass()))
-            return logps.sum() * 0.0
+        """The DAPO loss of one pass's rows against the old policy, normalised by the step's token count, and its
+        metrics added to `metrics`, both times `weight` (0: an empty pass's stand-in row, whose forward and backward
+        only keep this rank in step with the others)."""
         mask = loss_mask(rows)
         per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model, *_forward_inputs(rows), compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
@@ -935,13 +936,13 @@ class DAPOTrainer(GRPOTrainer):
                 "train_logprobs_mean": active_mean(per_token_logps.detach(), active),
                 "entropy": active_mean(entropies.detach(), active),
             },
-            tokens=stats["num_active_tokens"],
+            tokens=stats["num_active_tokens"] * weight,
             sequence_means=mismatch.sequence_means,
-            sequences=mismatch.sequences,
-            maxima=mismatch.maxima,
+            sequences=mismatch.sequences * weight,
+            maxima={name: value * weight for name, value in mismatch.maxima.items()},
             aux_loss=aux_loss.detach() if self.aux_loss_enabled else None,
         )
-        return loss
+        return loss * weight
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
@@ -967,6 +968,16 @@ class DAPOTrainer(GRPOTrainer):
             if self.prompt_stream is not None and state["prompt_stream"] is not None:
                 self.prompt_stream.load_state_dict(state["prompt_stream"])
             self._skipped_steps = state["skipped_steps"]
+
+
+def _sharded_at_load(model) -> bool:
+    """Whether transformers sharded the model with FSDP when loading it (transformers >= 5.2x; accelerate's `no_sync`
+    does not reach such a model)."""
+    try:
+        from transformers.distributed.fsdp import is_fsdp_managed_module
+    except ImportError:
+        return False
+    return is_fsdp_managed_module(model)
 
 
 def _forward_inputs(rows: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
