@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.timing import copy_bandwidth, median_seconds
 from trl_dapo.rollout.paged_attention import (
     num_splits,
     reference_decode_attention,
@@ -33,26 +33,6 @@ from trl_dapo.rollout.paged_attention import (
 
 HERE = Path(__file__).parent
 HEADS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128), "qwen2.5-7b": (28, 4, 128)}
-
-
-def median_ms(function, repeats: int = 20) -> float:
-    for _ in range(3):
-        function()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        function()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    source = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)
-    target = torch.empty_like(source)
-    return 2 * source.numel() * 2 / median_ms(lambda: target.copy_(source)) / 1e9  # TB/s
 
 
 def paged_problem(rows: int, context: int, heads: int, kv_heads: int, dim: int, page_size: int, seed: int = 0):
@@ -137,7 +117,7 @@ def measure(model: str, rows: int, context: int, page_size: int, bandwidth: floa
         out = function()
         if reference is not None:
             result[f"{name}_max_error"] = (out.float() - reference.float()).abs().max().item()
-        milliseconds = median_ms(function)
+        milliseconds = 1e3 * median_seconds(function)
         result[f"{name}_ms"] = milliseconds
         result[f"{name}_bandwidth_use"] = kv_bytes / (milliseconds / 1e3) / (bandwidth * 1e12)
     return result
@@ -151,7 +131,7 @@ def main() -> None:
     parser.add_argument("--flex", action="store_true", help="also FlexAttention (compiled once per shape)")
     parser.add_argument("--output", default=str(HERE / "results" / "bench_attention.json"))
     args = parser.parse_args()
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth("cuda") / 1e12  # TB/s
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tb_per_s": bandwidth}
     results["runs"] = []
     output = Path(args.output)

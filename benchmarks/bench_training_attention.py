@@ -18,30 +18,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.result_file import ResultFile
+from benchmarks.timing import median_seconds
 from benchmarks.workload import HERE
 from trl_dapo.trainer.packed_attention import flash_varlen_attention, packed_attention, reference_packed_attention
 
 HEADS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128)}
-
-
-def median_ms(function, repeats: int = 10) -> float:
-    for _ in range(2):
-        function()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        function()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def row_lengths(rows: int, max_new: int, prompt: int, seed: int) -> list[int]:
@@ -144,7 +130,7 @@ def run_candidates(named: dict, lengths: list[int], model: str, max_new: int, re
     for name, (function, make_inputs) in named.items():
         torch.cuda.reset_peak_memory_stats()
         try:
-            ms, error = median_ms(fwd_bwd(function, make_inputs())), None
+            ms, error = 1e3 * median_seconds(fwd_bwd(function, make_inputs())), None
         except Exception as failure:
             ms, error = None, f"{type(failure).__name__}: {failure}"[:300]
         results.append(

@@ -134,7 +134,7 @@ def timed_call(function, *args, **kwargs) -> tuple[object, float]:
     return result, time.perf_counter() - start
 
 
-def _median_seconds(function, repeats: int) -> float:
+def median_seconds(function, repeats: int = 20) -> float:
     """Median time of `function` after 3 warm-up calls (CUDA events on the GPU, the host clock on the CPU)."""
     for _ in range(3):
         function()
@@ -157,7 +157,7 @@ def copy_bandwidth(device: str) -> float:
     values = 2**29 if device == "cuda" else 2**23
     src = torch.randn(values, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    seconds = _median_seconds(lambda: dst.copy_(src), repeats=20)
+    seconds = median_seconds(lambda: dst.copy_(src), repeats=20)
     return 2 * src.numel() * src.element_size() / seconds
 
 
@@ -167,5 +167,5 @@ def hardware_ceilings(device: str) -> dict:
         return {}
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    matmul_s = _median_seconds(lambda: a @ b, repeats=20)
+    matmul_s = median_seconds(lambda: a @ b, repeats=20)
     return {"bf16_tflops": 2 * 8192**3 / matmul_s / 1e12, "copy_tb_per_s": copy_bandwidth(device) / 1e12}

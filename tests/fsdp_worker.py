@@ -25,7 +25,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
 from trl_dapo.rollout.sharded import FullyShardGather
-from trl_dapo.trainer.packed_attention import enable_packed_attention, packed_forward_context
+from trl_dapo.trainer.packed_attention import enable_packed_attention, forward_packed
 from trl_dapo.trainer.packing import pack_rows, unpack_scores
 
 PROMPTS = [[5 + (7 * row + 3 * column) % 300 for column in range(3 + row)] for row in range(6)]  # uneven lengths
@@ -113,14 +113,7 @@ def run(layout: str, model_path: str, accelerator: Accelerator) -> dict:
 def packed_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> torch.Tensor:
     """The summed logprobs of the completion tokens, from one packed forward through TRL's fused head."""
     packed = pack_rows(input_ids, attention_mask, width)
-    with packed_forward_context():
-        out = model(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            labels=packed.labels,
-            fused_lm_head=True,
-            **packed.attention_kwargs(),
-        )
+    out = forward_packed(model, packed)
     return unpack_scores(out.log_probs, packed, width).sum()
 
 

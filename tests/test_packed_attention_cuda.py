@@ -10,8 +10,8 @@ from trl.trainer.utils import add_fused_lm_head
 from trl_dapo.testing import build_tiny_model
 from trl_dapo.trainer.packed_attention import (
     enable_packed_attention,
+    forward_packed,
     packed_attention,
-    packed_forward_context,
     reference_packed_attention,
 )
 from trl_dapo.trainer.packing import pack_rows, unpack_scores
@@ -56,14 +56,7 @@ def test_a_packed_bf16_forward_scores_rows_as_their_own_forwards(tmp_path):
     input_ids, attention = torch.tensor(rows, device="cuda"), torch.tensor(masks, device="cuda")
     packed = pack_rows(input_ids, attention, width)
     with torch.no_grad():
-        with packed_forward_context():
-            out = model(
-                input_ids=packed.input_ids,
-                position_ids=packed.position_ids,
-                labels=packed.labels,
-                fused_lm_head=True,
-                **packed.attention_kwargs(),
-            )
+        out = forward_packed(model, packed)
         logps = unpack_scores(out.log_probs, packed, width)
         for row, (_, completion) in enumerate(lengths):
             ids = input_ids[row, attention[row].bool()].unsqueeze(0)
@@ -101,7 +94,6 @@ def test_float32_weights_under_bf16_autocast_reach_the_flash_kernel(tmp_path, mo
     add_fused_lm_head(model)
     ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]], device="cuda")
     packed = pack_rows(ids, (ids != 0).long(), 2)
-    with torch.autocast("cuda", dtype=torch.bfloat16), packed_forward_context():
-        model(input_ids=packed.input_ids, position_ids=packed.position_ids, labels=packed.labels, fused_lm_head=True,
-              **packed.attention_kwargs())  # fmt: skip
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        forward_packed(model, packed)
     assert len(calls) == model.config.num_hidden_layers

@@ -15,8 +15,8 @@ from trl_dapo.trainer.micro_batches import deal_by_tokens, plan_step
 from trl_dapo.trainer.packed_attention import (
     PACKABLE_MODEL_TYPES,
     enable_packed_attention,
+    forward_packed,
     packed_attention,
-    packed_forward_context,
     reference_packed_attention,
     why_model_cannot_pack,
 )
@@ -123,14 +123,7 @@ def test_a_packed_forward_scores_each_row_as_its_own_forward(model_type):
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
     width = 9
     packed = pack_rows(input_ids, attention, width)
-    with packed_forward_context():
-        out = model(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            labels=packed.labels,
-            fused_lm_head=True,
-            **packed.attention_kwargs(),
-        )
+    out = forward_packed(model, packed)
     logps, entropy = (unpack_scores(values, packed, width) for values in (out.log_probs, out.entropy))
     for row in range(input_ids.size(0)):
         real = attention[row].bool()

@@ -27,6 +27,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..rollout.weights import sliding_window
+from .packing import PackedRows
 
 PACKED_PREFIX = "trl_dapo_packed_"
 # Implementations the dispatcher wraps: their padded calls keep working unchanged.
@@ -91,7 +92,7 @@ _building_packed_masks = False
 
 
 @contextlib.contextmanager
-def packed_forward_context() -> Iterator[None]:
+def _packed_masks() -> Iterator[None]:
     """Wrap a packed forward: its mask construction returns no mask (the dense packed mask would be quadratic)."""
     global _building_packed_masks
     outer, _building_packed_masks = _building_packed_masks, True
@@ -99,6 +100,20 @@ def packed_forward_context() -> Iterator[None]:
         yield
     finally:
         _building_packed_masks = outer
+
+
+def forward_packed(model, packed: PackedRows, **kwargs):
+    """One forward of packed rows through TRL's fused head (`add_fused_lm_head`): per packed token, the log-probability
+    of the next one (and the entropy, where the head computes it), never the full-vocabulary logits."""
+    with _packed_masks():
+        return model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            labels=packed.labels,
+            fused_lm_head=True,
+            **packed.attention_kwargs(),
+            **kwargs,
+        )
 
 
 def packed_attention(

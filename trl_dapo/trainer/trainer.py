@@ -69,7 +69,7 @@ from .handoff import HandOff
 from .loss import active_mean, dapo_policy_loss
 from .micro_batches import MicroBatch, split_generation_batch
 from .mismatch import mismatch_metrics, rollout_correction
-from .packed_attention import enable_packed_attention, packed_forward_context, why_model_cannot_pack
+from .packed_attention import enable_packed_attention, forward_packed, why_model_cannot_pack
 from .packing import pack_rows, unpack_scores
 from .step_metrics import StepMetrics
 
@@ -791,17 +791,9 @@ class DAPOTrainer(GRPOTrainer):
         """One packed forward through TRL's fused head (log-probabilities and entropy in chunks of tokens, never the
         full-vocabulary logits; its temperature and `cast_lm_head_to_fp32`)."""
         packed = pack_rows(input_ids, attention_mask, logits_to_keep)
-        inputs = dict(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            labels=packed.labels,
-            fused_lm_head=True,
-            **packed.attention_kwargs(),
-        )
-        if compute_aux_loss:
-            inputs["output_router_logits"] = True
-        with self.accelerator.autocast(), packed_forward_context():
-            outputs = model(**inputs)
+        router = {"output_router_logits": True} if compute_aux_loss else {}
+        with self.accelerator.autocast():
+            outputs = forward_packed(model, packed, **router)
         return (
             unpack_scores(outputs.log_probs, packed, logits_to_keep),
             unpack_scores(outputs.entropy, packed, logits_to_keep),
