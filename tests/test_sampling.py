@@ -160,7 +160,7 @@ def test_limit_with_nothing_informative_returns_an_empty_batch_to_skip():
 def test_unlimited_rounds():
     rounds = [([i], [False]) for i in range(12)] + [([99], [True])]
     generate, _ = scripted_rounds(rounds)
-    batch, stats = new_buffer(max_num_gen_batches=0).fill(1, generate, step=0, dataset_prompts=13)
+    batch, stats = new_buffer(max_num_gen_batches=0).fill(1, generate, step=0, dataset_prompts=lambda: 13)
     assert groups_of(batch) == [99] and stats.gen_batches == 13
 
 
@@ -168,7 +168,7 @@ def test_unlimited_rounds_stop_after_a_full_pass_without_an_informative_group():
     """5 prompts in the training set: the 5th uninformative group in a row ends the search, instead of looping."""
     generate, requested = scripted_rounds([([1, 2], [True, False])] + [([i], [False]) for i in range(3, 20)])
     with pytest.raises(DynamicSamplingLimitError, match="at least 5 groups in a row, as many as train_dataset has"):
-        new_buffer(max_num_gen_batches=0).fill(3, generate, step=0, dataset_prompts=5)
+        new_buffer(max_num_gen_batches=0).fill(3, generate, step=0, dataset_prompts=lambda: 5)
     assert len(requested) == 6  # round 1 found one; rounds 2-6 found nothing in 5 groups
 
 

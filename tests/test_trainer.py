@@ -179,6 +179,30 @@ def test_unlimited_rounds_stop_after_a_full_pass_over_the_prompts(tiny_model, tm
         trainer.train()
 
 
+def test_unlimited_rounds_over_a_stream_stop_once_its_size_is_known(tiny_model, tmp_path):
+    """A stream's size is unknown until its first pass ends, which happens during the rounds: the search must stop
+    then (8 prompts, 2 groups a round: about 5 rounds), not loop forever. The reward fails the test past 20 rounds."""
+    rounds = []
+
+    def constant_for_20_rounds(completion_ids, **kwargs):
+        rounds.append(len(completion_ids))
+        assert len(rounds) <= 20, "dynamic sampling still going after 20 rounds over a stream of 8 prompts"
+        return constant_reward(completion_ids)
+
+    trainer = make_trainer(
+        tiny_model,
+        tmp_path,
+        reward=constant_for_20_rounds,
+        max_num_gen_batches=0,
+        dataset=arithmetic_prompts(8).to_iterable_dataset(),
+    )
+    with pytest.raises(DynamicSamplingLimitError, match="at least 8 groups in a row, as many as train_dataset has"):
+        trainer.train()
+    # the dataloader's 2 prompts, then 2 a round from the stream: its 9th draw (round 5) ends its first pass, and
+    # by then 12 groups in a row were uninformative
+    assert len(rounds) == 6
+
+
 def test_train_on_partial_uses_the_groups_found_and_their_token_count(tiny_model, tmp_path):
     def one_prompt_informative(completion_ids, index, **kwargs):
         return [float(len(c) % 2) if i == 3 else 0.0 for c, i in zip(completion_ids, index, strict=True)]

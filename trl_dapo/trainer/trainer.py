@@ -309,7 +309,7 @@ class DAPOTrainer(GRPOTrainer):
                     generate_round,
                     step=self.state.global_step,
                     group_multiple=group_multiple,
-                    dataset_prompts=self.prompt_stream.num_prompts,
+                    dataset_prompts=lambda: self.prompt_stream.num_prompts,
                     report=progress,
                 )
             busy, pool, prefill = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").tolist()
@@ -392,6 +392,7 @@ class DAPOTrainer(GRPOTrainer):
             surplus_tokens=int(totals[9]),  # the carried groups' tokens of this batch, kept for the next
             prefill_tokens=int(totals[11]),
         )  # fmt: skip
+        dataset_prompts = self.prompt_stream.num_prompts  # a stream's size may have become known while it ran
         if not args.max_num_gen_batches and dataset_prompts is not None and not stats.qualified_groups:
             raise DynamicSamplingLimitError(self.sampling_buffer._full_pass_message(stats, dataset_prompts))
         kept = [group for rank_share in everyone for group in rank_share["kept"]]
