@@ -3,6 +3,7 @@
 import io
 import math
 
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset
@@ -276,3 +277,14 @@ def test_soft_overlong_penalty_factor_and_off_switch():
     lengths = torch.tensor([18])
     assert soft_overlong_penalty(lengths, 20, 4, penalty_factor=0.5).item() == pytest.approx(-0.25)
     assert soft_overlong_penalty(lengths, 20, 0).item() == 0.0
+
+
+def test_soft_overlong_penalty_takes_any_sequence_of_lengths():
+    expected = [0.0, -0.25, -1.0]
+    for lengths in ([16, 17, 21], (16, 17, 21), np.array([16, 17, 21]), torch.tensor([16, 17, 21])):
+        penalty = soft_overlong_penalty(lengths, max_completion_length=20, buffer_len=4)
+        assert penalty.dtype == torch.float32 and penalty.tolist() == expected
+    assert soft_overlong_penalty([16, 17, 21], 20, 0).tolist() == [0.0, 0.0, 0.0]
+    for wrong in (["16"], None, [True, False]):
+        with pytest.raises(TypeError, match=r"completion_lengths must be token counts .* \[len\(ids\) for ids in"):
+            soft_overlong_penalty(wrong, 20, 4)
