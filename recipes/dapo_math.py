@@ -1,11 +1,12 @@
 """DAPO on math word problems: the paper's recipe in one command.
 
-    accelerate launch recipes/dapo_math.py --config recipes/configs/qwen2.5_math_7b.yaml
-    python recipes/dapo_math.py --config recipes/configs/tiny_cpu.yaml      # offline, CPU, a few minutes
+    .venv/bin/accelerate launch recipes/dapo_math.py --config recipes/configs/qwen2.5_math_7b_dapo.yaml
+    .venv/bin/python recipes/dapo_math.py --config recipes/configs/tiny_cpu.yaml      # offline, CPU, about a minute
 
 Every field of `ScriptArguments`, `DAPOConfig` and TRL's `ModelConfig` can be set in the YAML or on the command line
 (the command line wins). Without a model name the run builds the tiny local model, so it works with no download.
-`--resume_from_checkpoint PATH` (or `true`: the last checkpoint in `output_dir`) continues a run where it stopped.
+`--resume_from_checkpoint PATH` (or `true`: the last checkpoint in `output_dir`) continues a run where it stopped;
+`false` starts from step 0.
 """
 
 from __future__ import annotations
@@ -91,9 +92,25 @@ def build_offline_model(script_args: ScriptArguments, training_args: DAPOConfig,
     return str(path)
 
 
+@dataclass
+class RecipeConfig(DAPOConfig):
+    """`DAPOConfig`, with the help of the one field this script reads itself (the Trainer does not)."""
+
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "Continue a run: a checkpoint folder, or 'true' for the last checkpoint in output_dir; 'false' "
+            "or unset: start from step 0."
+        },
+    )
+
+
 def resume_point(value: str | None) -> str | bool | None:
-    """`--resume_from_checkpoint PATH` resumes from PATH; `true` from the last checkpoint in the output dir."""
-    if value is not None and value.lower() in ("true", "last"):
+    """`--resume_from_checkpoint PATH` resumes from PATH, `true` from the last checkpoint in the output dir, `false`
+    starts afresh."""
+    if value is None or value.lower() in ("false", "none"):
+        return None
+    if value.lower() in ("true", "last"):
         return True
     return value
 
@@ -148,5 +165,5 @@ def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: Mo
 
 
 if __name__ == "__main__":
-    parser = TrlParser((ScriptArguments, DAPOConfig, ModelConfig))
+    parser = TrlParser((ScriptArguments, RecipeConfig, ModelConfig))
     main(*parser.parse_args_and_config())

@@ -10,18 +10,17 @@ import pytest
 from trl import ModelConfig, TrlParser
 
 from helpers import free_port
-from trl_dapo import DAPOConfig
 from trl_dapo.reporting import SUMMARY_METRICS
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "recipes"))
-from dapo_math import ScriptArguments  # noqa: E402
+from dapo_math import RecipeConfig, ScriptArguments  # noqa: E402
 
 CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
 
 
 def parse(*argv):
-    parser = TrlParser((ScriptArguments, DAPOConfig, ModelConfig))
+    parser = TrlParser((ScriptArguments, RecipeConfig, ModelConfig))
     return parser.parse_args_and_config(args=list(argv))
 
 
@@ -78,6 +77,18 @@ def test_help_prints():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "--dynamic_sampling_on_limit" in result.stdout and "--overlong_buffer_len" in result.stdout
+    text = " ".join(result.stdout.split())  # argparse wraps the help strings
+
+    def help_of(option: str) -> str:
+        return text.split(f"{option} ")[-1].split(" (default")[0]
+
+    assert help_of("--resume-from-checkpoint RESUME_FROM_CHECKPOINT") == (
+        "Continue a run: a checkpoint folder, or 'true' for the last checkpoint in output_dir; 'false' or unset: "
+        "start from step 0."
+    )
+    assert help_of("--bf16 BF16") == (
+        "bf16 mixed precision. Unset (None): on where bf16 can run (a bf16 GPU, XLA, or use_cpu), off elsewhere."
+    )
 
 
 def test_resume_from_checkpoint_continues_the_run(tmp_path):
@@ -90,7 +101,7 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
         "--logging_steps", "1", "--per_device_train_batch_size", "16", "--generation_batch_size", "32",
         "--save_strategy", "steps", "--save_steps", "1",
     ]  # fmt: skip
-    main(*parse(*quick, "--max_steps", "2"))
+    main(*parse(*quick, "--max_steps", "2", "--resume_from_checkpoint", "false"))
     first_state = output / "checkpoint-1" / "trainer_state.json"
     written = first_state.stat().st_mtime_ns
     main(*parse(*quick, "--max_steps", "3", "--resume_from_checkpoint", str(output / "checkpoint-2")))

@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from helpers import arithmetic_prompts, dapo_args, first_token_parity, length_reward
 from trl_dapo import DAPOTrainer
+from trl_dapo.data import arithmetic_dataset
+from trl_dapo.evaluation import MathAccuracyCallback
 from trl_dapo.integrity import RolloutIntegrityError
 from trl_dapo.rewards import soft_overlong_penalty
 from trl_dapo.sampling import DynamicSamplingLimitError
@@ -375,6 +377,17 @@ def test_trained_batch_metrics_are_trls_when_every_candidate_is_trained(tiny_mod
     assert len(names) == 14 and set(names) == set(trained_batch_metric_names(grpo.reward_func_names))
     for name in names:
         assert dapo.state.log_history[0][name] == pytest.approx(grpo.state.log_history[0][name], abs=1e-6), name
+
+
+@pytest.mark.parametrize(("every", "steps"), [(1, [1, 2, 3]), (2, [2, 3])])
+def test_held_out_accuracy_is_logged_once_per_evaluated_step(tiny_model, tmp_path, every, steps):
+    """Every `every` steps and at the end of training: a last step already evaluated is not evaluated again (the
+    recipe's summary averaged the duplicate, and at 7B it cost a whole avg@32 pass)."""
+    splits = arithmetic_dataset(num_train=8, num_test=2)
+    trainer = make_trainer(tiny_model, tmp_path, dataset=splits["train"], max_steps=3)
+    trainer.add_callback(MathAccuracyCallback(trainer, splits["test"], k=2, every=every))
+    trainer.train()
+    assert [entry["step"] for entry in trainer.state.log_history if "eval/accuracy" in entry] == steps
 
 
 def test_lora_and_evaluation(tiny_model, tmp_path):
