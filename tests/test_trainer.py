@@ -3,6 +3,7 @@ shaping, integrity errors, PEFT, evaluation and checkpoint resume."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from peft import LoraConfig
@@ -259,6 +260,57 @@ def test_overlong_penalty_enters_the_reward_before_advantages(tiny_model, tmp_pa
 def test_bad_rewards_stop_training_with_a_clear_error(tiny_model, tmp_path, reward, error, message):
     with pytest.raises(error, match=message):
         make_trainer(tiny_model, tmp_path, reward=reward, max_steps=1).train()
+
+
+def returns_a_string(completion_ids, **kwargs):
+    return "1.0"
+
+
+def returns_nothing(completion_ids, **kwargs):
+    return None
+
+
+def returns_strings(completion_ids, **kwargs):
+    return ["1.0"] * len(completion_ids)
+
+
+async def returns_a_string_later(completion_ids, **kwargs):
+    return "1.0"
+
+
+@pytest.mark.parametrize(
+    ("reward", "message"),
+    [
+        (returns_a_string, r"reward function 'returns_a_string' returned str '1.0'; return a list with one float"),
+        (returns_nothing, r"reward function 'returns_nothing' returned NoneType None; return a list with one float"),
+        (returns_strings, r"reward function 'returns_strings' returned str '1.0' for completion 0; return a float"),
+        (returns_a_string_later, r"reward function 'returns_a_string_later' returned str '1.0'; return a list"),
+    ],
+)
+def test_a_reward_function_returning_no_list_of_numbers_is_named(tiny_model, tmp_path, reward, message):
+    """TRL's own errors here are `too many dimensions 'str'` and `'NoneType' object is not iterable`."""
+    with pytest.raises(TypeError, match=message):
+        make_trainer(tiny_model, tmp_path, reward=[length_reward, reward], max_steps=1).train()
+
+
+def test_rewards_as_numbers_of_any_kind_are_accepted(tiny_model, tmp_path):
+    """Tuples, arrays, tensors, ints, bools and None (not applicable) are numbers TRL takes: they must still pass."""
+
+    def varied(completion_ids, **kwargs):
+        return tuple(len(ids) % 2 == 0 for ids in completion_ids)
+
+    def as_array(completion_ids, **kwargs):
+        return np.array([float(ids[0] % 2) if ids else 0.0 for ids in completion_ids])
+
+    def as_tensor(completion_ids, **kwargs):
+        return torch.tensor([len(ids) for ids in completion_ids])
+
+    def sometimes(completion_ids, **kwargs):
+        return [None if index % 2 else 1 for index in range(len(completion_ids))]
+
+    trainer = make_trainer(tiny_model, tmp_path, reward=[varied, as_array, as_tensor, sometimes], max_steps=1)
+    trainer.train()
+    assert trainer.state.global_step == 1
 
 
 def test_rollout_with_missing_logprobs_is_rejected(tiny_model, tmp_path):

@@ -39,7 +39,7 @@ from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import is_async_callable, shuffle_sequence_dict
 
-from ..integrity import RolloutIntegrityError, check_completions, check_groups, check_rewards
+from ..integrity import RolloutIntegrityError, check_completions, check_groups, check_rewards, checked_reward_function
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
 from ..rollout import PagedRolloutEngine, sampling_settings, select_rollout_engine
 from ..sampling import (
@@ -125,6 +125,10 @@ class DAPOTrainer(GRPOTrainer):
         if isinstance(kwargs.get("reward_processing_classes"), list):
             kwargs["reward_processing_classes"] = list(kwargs["reward_processing_classes"])
         super().__init__(model, reward_funcs, args, **kwargs)
+        self.reward_funcs = [
+            function if isinstance(function, nn.Module) else checked_reward_function(function, name)
+            for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)
+        ]
         self.num_task_rewards = len(self.reward_funcs)
         if args.overlong_buffer_len > 0:
             penalty = OverlongPenalty(
