@@ -24,6 +24,7 @@ from trl_dapo.evaluation import MathAccuracyCallback
 from trl_dapo.reporting import format_summary, plot_training, summarize
 from trl_dapo.rewards.math import PROMPT_TEMPLATE, dapo_math_reward
 from trl_dapo.testing import build_tiny_model, supervised_warm_start
+from trl_dapo.trainer.set_up import check_set_up
 
 TEMPLATES = {"dapo": PROMPT_TEMPLATE, "plain": "{problem}"}
 
@@ -48,7 +49,7 @@ class ScriptArguments:
     )
     arithmetic_num_train: int = field(default=80, metadata={"help": "Generated training problems."})
     arithmetic_num_test: int = field(
-        default=20, metadata={"help": "Generated held-out problems (disjoint from training)."}
+        default=20, metadata={"help": "Generated held-out problems (disjoint from training); 0: no evaluation."}
     )
     arithmetic_max_operand: int = field(default=9, metadata={"help": "Operands of generated problems: 0..this."})
     tiny_model_hidden_size: int = field(default=64, metadata={"help": "Width of the locally built tiny model."})
@@ -71,7 +72,7 @@ def load_datasets(script_args: ScriptArguments):
             script_args.arithmetic_max_operand,
             template=template,
         )
-        return splits["train"], splits["test"]
+        return splits["train"], splits["test"] if script_args.arithmetic_num_test else None
     train = load_math_dataset(script_args.dataset_name, script_args.dataset_split, template)
     if script_args.eval_dataset_name is None:
         return train, None
@@ -117,6 +118,8 @@ def resume_point(value: str | None) -> str | bool | None:
 
 def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: ModelConfig) -> dict:
     train_dataset, eval_dataset = load_datasets(script_args)
+    reward_funcs = [dapo_math_reward]
+    check_set_up(training_args, reward_funcs, train_dataset=train_dataset)  # before a model is built or loaded
     if model_args.model_name_or_path:
         model = model_args.model_name_or_path
         training_args.model_init_kwargs = {
@@ -130,12 +133,12 @@ def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: Mo
 
     trainer = DAPOTrainer(
         model=model,
-        reward_funcs=[dapo_math_reward],
+        reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=train_dataset,
         peft_config=get_peft_config(model_args),
     )
-    if eval_dataset is not None and len(eval_dataset) and script_args.eval_num_samples > 0:
+    if eval_dataset is not None and script_args.eval_num_samples > 0:
         trainer.add_callback(
             MathAccuracyCallback(
                 trainer,

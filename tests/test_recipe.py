@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from trl import ModelConfig, TrlParser
 
 from helpers import free_port
@@ -109,6 +110,32 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
     state = json.loads((output / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
     assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (
+            ["--dynamic_sampling_metric", "accurcy"],
+            r"dynamic_sampling_metric='accurcy' names no reward function; use one of \['dapo_math_reward', 'overl",
+        ),
+        pytest.param(
+            ["--dynamic_sampling_mode", "stream"],
+            r"dynamic_sampling_mode='stream' refills the decode slots .* without a CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the 'auto' engine is the paged one"),
+        ),
+    ],
+    ids=["filter-metric-typo", "stream-without-cuda"],
+)
+def test_invalid_settings_stop_the_recipe_before_it_builds_a_model(tmp_path, option, message):
+    """The tiny model is built and warm-started before the trainer: a setting the trainer rejects must stop the run
+    before that work."""
+    from dapo_math import main
+
+    output = tmp_path / "run"
+    with pytest.raises(ValueError, match=message):
+        main(*parse("--config", str(ROOT / "recipes/configs/tiny_cpu.yaml"), "--output_dir", str(output), *option))
+    assert not (output / "tiny-model").exists()
 
 
 @pytest.mark.distributed

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from datasets import IterableDataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
@@ -337,6 +338,59 @@ def test_unknown_filter_metric_is_rejected(tiny_model, tmp_path):
         make_trainer(tiny_model, tmp_path, dynamic_sampling_metric="accuracy")
 
 
+async def async_length_reward(completion_ids, **kwargs) -> list[float]:
+    return length_reward(completion_ids)
+
+
+@pytest.mark.parametrize(
+    ("settings", "reward", "message"),
+    [
+        (
+            dict(dynamic_sampling_metric="accurcy"),
+            length_reward,
+            r"dynamic_sampling_metric='accurcy' names no reward function; use one of \['length_reward', 'overlong_pe",
+        ),
+        (
+            dict(dynamic_sampling_mode="stream", rollout_engine="paged"),
+            async_length_reward,
+            "reward_funcs: 'async_length_reward' is a reward model or an async function",
+        ),
+        (
+            dict(dynamic_sampling_mode="stream", rollout_engine="paged"),
+            "some-org/a-reward-model",
+            "reward_funcs: 'a-reward-model' is a reward model",
+        ),
+        (
+            dict(dynamic_sampling_mode="stream", rollout_engine="paged", min_p=0.1),
+            length_reward,
+            "rollout_engine='paged' cannot be used here: min_p",
+        ),
+        (dict(reward_weights=[1.0, 2.0]), length_reward, r"reward_weights=\[1.0, 2.0\] has 2 weights for 1 reward"),
+    ],
+    ids=["filter-metric-typo", "stream-async-reward", "stream-reward-model", "paged-min-p", "reward-weights"],
+)
+def test_settings_are_checked_before_any_model_loads(tmp_path, settings, reward, message):
+    """The model path does not exist: an error about the model would mean the settings were checked after it."""
+    with pytest.raises(ValueError, match=message):
+        DAPOTrainer(
+            model=str(tmp_path / "no-model-here"),
+            reward_funcs=reward,
+            args=dapo_args(tmp_path, per_device_train_batch_size=8, **settings),
+            train_dataset=arithmetic_prompts(8),
+        )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the 'auto' engine is the paged one")
+def test_stream_mode_without_cuda_needs_the_paged_engine_before_any_model_loads(tmp_path):
+    with pytest.raises(ValueError, match=r"rollout_engine='auto': without a CUDA device TRL's path generates\)\. Set"):
+        DAPOTrainer(
+            model=str(tmp_path / "no-model-here"),
+            reward_funcs=length_reward,
+            args=dapo_args(tmp_path, per_device_train_batch_size=8, dynamic_sampling_mode="stream"),
+            train_dataset=arithmetic_prompts(8),
+        )
+
+
 def always_right(completion_ids, **kwargs) -> list[float]:
     return [1.0] * len(completion_ids)
 
@@ -440,6 +494,31 @@ def test_held_out_accuracy_is_logged_once_per_evaluated_step(tiny_model, tmp_pat
     trainer.add_callback(MathAccuracyCallback(trainer, splits["test"], k=2, every=every))
     trainer.train()
     assert [entry["step"] for entry in trainer.state.log_history if "eval/accuracy" in entry] == steps
+
+
+def no_rows():
+    yield from ()
+
+
+@pytest.mark.parametrize("form", ["dataset", "stream", "dict"])
+def test_an_empty_evaluation_set_is_an_error(tiny_model, tmp_path, form):
+    """GRPOTrainer would evaluate on 0 prompts without a word."""
+    empty = arithmetic_prompts(0)
+    if form == "stream":
+        eval_dataset = IterableDataset.from_generator(no_rows)
+    else:
+        eval_dataset = {"dataset": empty, "dict": {"held_out": empty}}[form]
+    name = r"eval_dataset\['held_out'\]" if form == "dict" else "eval_dataset"
+    with pytest.raises(ValueError, match=rf"{name} is empty: evaluation would run on 0 prompts"):
+        DAPOTrainer(
+            model=tiny_model,
+            reward_funcs=length_reward,
+            args=dapo_args(tmp_path, per_device_train_batch_size=8, eval_strategy="steps", eval_steps=1),
+            train_dataset=arithmetic_prompts(8),
+            eval_dataset=eval_dataset,
+        )
+    with pytest.raises(ValueError, match="MathAccuracyCallback: the held-out dataset is empty"):
+        MathAccuracyCallback(None, arithmetic_dataset(num_train=4, num_test=0)["test"])
 
 
 def test_lora_and_evaluation(tiny_model, tmp_path):

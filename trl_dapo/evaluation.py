@@ -30,6 +30,11 @@ class MathAccuracyCallback(TrainerCallback):
         top_p: float = 0.7,
         batch_size: int = 8,
     ) -> None:
+        if len(dataset) == 0:
+            raise ValueError(
+                "MathAccuracyCallback: the held-out dataset is empty, so avg@k and pass@k would be computed over 0 "
+                "problems; pass held-out problems, or leave the callback out."
+            )
         self.trainer, self.dataset, self.k, self.every = trainer, dataset, k, every
         self.temperature, self.top_p, self.batch_size = temperature, top_p, batch_size
         self.evaluated_step: int | None = None
