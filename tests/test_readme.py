@@ -14,3 +14,8 @@ def test_quick_start_runs_as_printed(tmp_path, monkeypatch):
     trainer = namespace["trainer"]
     assert trainer.state.global_step == 2
     assert trainer.args.num_generations == 16 and trainer.args.generation_batch_size == 16
+    # a prompt and a default-length completion fit the tiny model's context (transformers warns past it)
+    longest_prompt = max(
+        len(trainer.processing_class(prompt)["input_ids"]) for prompt in namespace["dataset"]["prompt"]
+    )
+    assert longest_prompt + trainer.args.max_completion_length <= trainer.model.config.max_position_embeddings

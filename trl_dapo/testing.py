@@ -73,10 +73,10 @@ def build_tiny_model(
     intermediate_size: int | None = None,
     num_heads: int = 4,
     num_kv_heads: int = 2,
-    max_position_embeddings: int = 512,
+    max_position_embeddings: int = 2048,
 ) -> str:
     """Save a randomly initialised model (2 layers by default) and its tokenizer (the tiny BPE one by default) to
-    `output_dir`; return the path.
+    `output_dir`; return the path. Its context holds a prompt and DAPOConfig's default completion length (512).
 
     `kind`: `"causal_lm"` (Qwen2), `"moe"` (Qwen3-MoE, 4 experts, returns the router load-balancing loss) or
     `"reward"` (a Qwen2 sequence classifier with one score, the shape of a reward model).
