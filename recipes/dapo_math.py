@@ -1,7 +1,7 @@
 """DAPO on math word problems: the paper's recipe in one command.
 
     .venv/bin/accelerate launch recipes/dapo_math.py --config recipes/configs/qwen2.5_math_7b_dapo.yaml
-    .venv/bin/python recipes/dapo_math.py --config recipes/configs/tiny_cpu.yaml      # offline, CPU, about a minute
+    .venv/bin/python recipes/dapo_math.py --config recipes/configs/tiny_cpu.yaml      # offline, on the CPU
 
 Every field of `ScriptArguments`, `DAPOConfig` and TRL's `ModelConfig` can be set in the YAML or on the command line
 (the command line wins). Without a model name the run builds the tiny local model, so it works with no download.
