@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; pinned first so no later install pulls a CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test lint format
+.PHONY: install install-deepspeed demo test lint format
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# DeepSpeed for the ZeRO accelerate configs, from its source distribution; the torch already in the venv satisfies it.
+install-deepspeed: install
+	$(PY) -m pip install -q -e ".[deepspeed]"
 
 demo: install
 	$(PY) recipes/dapo_math.py --config recipes/configs/tiny_cpu.yaml

@@ -179,7 +179,7 @@ def attention_and_head(engine: PagedRolloutEngine, rows: int, context: int, sett
     draw_noise = lambda: sampling_noise(rows, engine.vocab_size, settings, device)  # noqa: E731
     noise = draw_noise()
     generated = torch.zeros(rows, dtype=torch.long, device=device)
-    head = lambda: engine._pick(hidden, engine.snapshot.lm_head, noise, settings, engine.eos, generated)  # noqa: E731
+    head = lambda: engine._pick(hidden, engine.snapshot.lm_head, noise, settings, engine.stop_table, generated)  # noqa: E731
     return {
         "attention": {
             "us": seconds * 1e6,

@@ -1,7 +1,7 @@
 """The DAPO paper's ablation (Table 1) in miniature, with held-out accuracy and seeds, in one command.
 
-    python recipes/dapo_ablation.py            # the study on one GPU (default: 7 variants x 3 seeds, 6 workers)
-    python recipes/dapo_ablation.py --smoke    # the same pipeline on the CPU, tiny, in well under a minute
+    .venv/bin/python recipes/dapo_ablation.py            # the study on one GPU (7 variants x 3 seeds, 6 workers)
+    .venv/bin/python recipes/dapo_ablation.py --smoke    # the same pipeline on the CPU, tiny, in well under a minute
 
 A Qwen2 of 17.7M parameters with a character tokenizer is built from scratch per seed, warm-started on worked
 scratchpad additions to a moderate accuracy, then trained with RL by each variant of the ladder (`ablation/variants.py`):

@@ -1,11 +1,12 @@
 """DAPO on math word problems: the paper's recipe in one command.
 
-    accelerate launch recipes/dapo_math.py --config recipes/configs/qwen2.5_math_7b.yaml
-    python recipes/dapo_math.py --config recipes/configs/tiny_cpu.yaml      # offline, CPU, a few minutes
+    .venv/bin/accelerate launch recipes/dapo_math.py --config recipes/configs/qwen2.5_math_7b_dapo.yaml
+    .venv/bin/python recipes/dapo_math.py --config recipes/configs/tiny_cpu.yaml      # offline, on the CPU
 
 Every field of `ScriptArguments`, `DAPOConfig` and TRL's `ModelConfig` can be set in the YAML or on the command line
 (the command line wins). Without a model name the run builds the tiny local model, so it works with no download.
-`--resume_from_checkpoint PATH` (or `true`: the last checkpoint in `output_dir`) continues a run where it stopped.
+`--resume_from_checkpoint PATH` (or `true`: the last checkpoint in `output_dir`) continues a run where it stopped;
+`false` starts from step 0.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from trl_dapo.evaluation import MathAccuracyCallback
 from trl_dapo.reporting import format_summary, plot_training, summarize
 from trl_dapo.rewards.math import PROMPT_TEMPLATE, dapo_math_reward
 from trl_dapo.testing import build_tiny_model, supervised_warm_start
+from trl_dapo.trainer.set_up import check_set_up
 
 TEMPLATES = {"dapo": PROMPT_TEMPLATE, "plain": "{problem}"}
 
@@ -47,7 +49,7 @@ class ScriptArguments:
     )
     arithmetic_num_train: int = field(default=80, metadata={"help": "Generated training problems."})
     arithmetic_num_test: int = field(
-        default=20, metadata={"help": "Generated held-out problems (disjoint from training)."}
+        default=20, metadata={"help": "Generated held-out problems (disjoint from training); 0: no evaluation."}
     )
     arithmetic_max_operand: int = field(default=9, metadata={"help": "Operands of generated problems: 0..this."})
     tiny_model_hidden_size: int = field(default=64, metadata={"help": "Width of the locally built tiny model."})
@@ -70,7 +72,7 @@ def load_datasets(script_args: ScriptArguments):
             script_args.arithmetic_max_operand,
             template=template,
         )
-        return splits["train"], splits["test"]
+        return splits["train"], splits["test"] if script_args.arithmetic_num_test else None
     train = load_math_dataset(script_args.dataset_name, script_args.dataset_split, template)
     if script_args.eval_dataset_name is None:
         return train, None
@@ -91,15 +93,33 @@ def build_offline_model(script_args: ScriptArguments, training_args: DAPOConfig,
     return str(path)
 
 
+@dataclass
+class RecipeConfig(DAPOConfig):
+    """`DAPOConfig`, with the help of the one field this script reads itself (the Trainer does not)."""
+
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "Continue a run: a checkpoint folder, or 'true' for the last checkpoint in output_dir; 'false' "
+            "or unset: start from step 0."
+        },
+    )
+
+
 def resume_point(value: str | None) -> str | bool | None:
-    """`--resume_from_checkpoint PATH` resumes from PATH; `true` from the last checkpoint in the output dir."""
-    if value is not None and value.lower() in ("true", "last"):
+    """`--resume_from_checkpoint PATH` resumes from PATH, `true` from the last checkpoint in the output dir, `false`
+    starts afresh."""
+    if value is None or value.lower() in ("false", "none"):
+        return None
+    if value.lower() in ("true", "last"):
         return True
     return value
 
 
 def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: ModelConfig) -> dict:
     train_dataset, eval_dataset = load_datasets(script_args)
+    reward_funcs = [dapo_math_reward]
+    check_set_up(training_args, reward_funcs, train_dataset=train_dataset)  # before a model is built or loaded
     if model_args.model_name_or_path:
         model = model_args.model_name_or_path
         training_args.model_init_kwargs = {
@@ -113,12 +133,12 @@ def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: Mo
 
     trainer = DAPOTrainer(
         model=model,
-        reward_funcs=[dapo_math_reward],
+        reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=train_dataset,
         peft_config=get_peft_config(model_args),
     )
-    if eval_dataset is not None and len(eval_dataset) and script_args.eval_num_samples > 0:
+    if eval_dataset is not None and script_args.eval_num_samples > 0:
         trainer.add_callback(
             MathAccuracyCallback(
                 trainer,
@@ -148,5 +168,5 @@ def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: Mo
 
 
 if __name__ == "__main__":
-    parser = TrlParser((ScriptArguments, DAPOConfig, ModelConfig))
+    parser = TrlParser((ScriptArguments, RecipeConfig, ModelConfig))
     main(*parser.parse_args_and_config())

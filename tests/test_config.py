@@ -1,8 +1,10 @@
 """DAPOConfig defaults and every validation error (each names the field)."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
+import yaml
 from transformers import TrainingArguments
 from trl import GRPOConfig
 
@@ -134,6 +136,12 @@ def test_invalid_settings_name_the_field(overrides, field):
         make(**overrides)
 
 
+def test_a_completion_length_below_one_is_blamed_on_itself():
+    """Not on `overlong_buffer_len`, whose default follows it, with the rejected value as the fix."""
+    with pytest.raises(ValueError, match=r"DAPOConfig.max_completion_length=0 is invalid: use a positive number"):
+        make(max_completion_length=0)
+
+
 def test_a_rollout_correction_needs_the_recomputed_old_policy():
     with pytest.raises(
         ValueError, match=r"rollout_correction='token_truncate' is invalid: .* old_logprobs='recompute'"
@@ -233,3 +241,30 @@ def test_defaults_hold_whole_groups_of_16_on_any_number_of_processes(world, monk
             make(per_device_train_batch_size=8)
     else:  # 8 completions per process already make whole groups of 16 across processes
         assert make(per_device_train_batch_size=8).generation_batch_size == 8 * world
+
+
+DEMO = yaml.safe_load((Path(__file__).parent.parent / "recipes" / "configs" / "tiny_cpu.yaml").read_text())
+
+
+@pytest.mark.parametrize(
+    ("world", "fix"),
+    [
+        (3, "generation_batch_size to a multiple of 192;"),
+        (4, "generation_batch_size to a multiple of 256 or per_device_train_batch_size to a divisor of 32;"),
+    ],
+)
+def test_the_demo_batch_on_other_process_counts_names_the_fields_and_the_counts_that_work(world, fix, monkeypatch):
+    """The demo's 128 completions per generation batch in micro-batches of 64: whole optimizer steps on 1 or 2
+    processes only. On others the error names the fields to change, with values that work there."""
+    batch = {name: DEMO[name] for name in ("num_generations", "per_device_train_batch_size", "generation_batch_size")}
+    assert batch == {"num_generations": 8, "per_device_train_batch_size": 64, "generation_batch_size": 128}
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: world))
+    with pytest.raises(ValueError, match=r"DAPOConfig.generation_batch_size=128 is invalid") as error:
+        make(**batch)
+    assert f"On {world} processes set {fix} unchanged, these settings run on 1 or 2 processes." in str(error.value)
+    assert make(**{**batch, "generation_batch_size": 64 * world}).steps_per_generation == 1  # the fixes named work
+    if world == 4:
+        assert make(**{**batch, "per_device_train_batch_size": 32}).steps_per_generation == 1
+    for works in (1, 2):
+        monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self, count=works: count))
+        assert make(**batch).steps_per_generation == 2 // works

@@ -1,5 +1,7 @@
-"""A real 2-process data-parallel run (accelerate, gloo, CPU) against a 1-process run of the same global batch."""
+"""A real 2-process data-parallel run (accelerate, gloo, CPU) against a 1-process run of the same global batch, and
+the tiny model built on every rank."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,14 @@ def test_stream_mode_keeps_each_ranks_first_informative_groups_deterministically
         metrics = stream["metrics"][0]
         assert metrics["dapo/qualified_groups"] >= 4 and metrics["dapo/partial_batch"] == 0
         assert metrics["dapo/generated_groups"] == metrics["dapo/qualified_groups"] + metrics["dapo/filtered_groups"]
+
+
+@pytest.mark.distributed
+def test_every_rank_can_build_and_load_the_tiny_model(tiny_model, tmp_path):
+    """After `DAPOConfig` has set up the process group, transformers writes a model's files on rank 0 only: rank 1's
+    own folder had no weights, and a folder shared by both ranks could be read before rank 0 had written it."""
+    launch_worker("tiny_model_worker.py", 2, tiny_model, tmp_path)
+    ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(rank["process_group"] for rank in ranks)
+    expected = ranks[0]["own"]
+    assert [(rank["own"], rank["shared"]) for rank in ranks] == [(expected, expected)] * 2  # one seeded model

@@ -208,6 +208,77 @@ def test_min_new_tokens_and_eos_handling(model_and_tokenizer):
     assert len({len(c) for c in out.completions}) > 1 and any(c[-1] == stop for c in out.completions)
 
 
+def stop_ids_for(greedy: list[list[int]], vocab_size: int, count: int = 256) -> list[int]:
+    """`count` stop ids in a seeded order: none of the last greedy row's tokens, and the first token of a greedy row
+    that does not share it, so that greedy rows end at different points."""
+    never = set(greedy[-1])
+    first = next(completion[0] for completion in greedy if completion[0] not in never)
+    order = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(0)).tolist()
+    return [first, *[token for token in order if token not in never and token != first][: count - 1]]
+
+
+def assert_rows_stop_at_their_first_stop_id(completions: list[list[int]], stops: list[int], max_new: int) -> None:
+    """A stop id only as a row's last token, and a row without one runs to `max_new`; some rows stop midway."""
+    for completion in completions:
+        ends = [index for index, token in enumerate(completion) if token in stops]
+        assert ends in ([], [len(completion) - 1]) and (ends or len(completion) == max_new)
+    assert any(1 < len(completion) < max_new for completion in completions)
+
+
+def test_any_number_of_stop_ids_ends_rows_as_generate_does(model_and_tokenizer):
+    """256 stop ids (tokenizers with several end ids, users adding their own): the engine looks each sampled token
+    up in a table over the vocabulary; greedy rows stop right after the first stop id, as `generate` given the same
+    ids does, sampled rows too, and with `min_new_tokens` no stop id is sampled before."""
+    model, tokenizer = model_and_tokenizer
+    batch = prompts(tokenizer)
+    free = engine_for(model, tokenizer).generate(batch, SamplingSettings(12, greedy=True))
+    stops = stop_ids_for(free.completions, len(tokenizer))
+    engine = PagedRolloutEngine(
+        model, eos_token_ids=stops, pad_token_id=tokenizer.pad_token_id, dtype=torch.float32, cuda_graph=False,
+        page_size=4, sync_every=5,
+    )  # fmt: skip
+    assert engine.stop_table.nonzero().flatten().tolist() == sorted(stops)
+    out = engine.generate(batch, SamplingSettings(12, greedy=True))
+    for prompt, completion in zip(batch, out.completions, strict=True):
+        reference = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
+            max_new_tokens=12, pad_token_id=tokenizer.pad_token_id, eos_token_id=stops,
+        )[0, len(prompt) :].tolist()  # fmt: skip
+        ends = [index for index, token in enumerate(reference) if token in stops]
+        assert completion == (reference[: ends[0] + 1] if ends else reference)
+    assert len({len(completion) for completion in out.completions}) > 1 and out.completions[-1] == free.completions[-1]
+    torch.manual_seed(0)
+    assert_rows_stop_at_their_first_stop_id(engine.generate(batch * 4, SamplingSettings(12)).completions, stops, 12)
+    held = engine.generate(batch, SamplingSettings(8, min_new_tokens=8))
+    assert all(len(c) == 8 and not set(c) & set(stops) for c in held.completions)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_the_cuda_graph_decode_step_captures_with_256_stop_ids(tiny_model):
+    """On CUDA the decode step is captured as a graph: with `torch.isin` over 24 or more stop ids at 128 rows its
+    capture failed (`cudaErrorStreamCaptureInvalidated`). With 256 ids and 128 rows the captured steps must run, every
+    row stopping right after its first stop id, and with `min_new_tokens` none sampled before (compiled head too)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).cuda().eval()
+    batch = (prompts(tokenizer) * 22)[:128]
+
+    def engine(stops: list[int], **options) -> PagedRolloutEngine:
+        return PagedRolloutEngine(
+            model, eos_token_ids=stops, pad_token_id=tokenizer.pad_token_id, dtype=torch.bfloat16,
+            device=torch.device("cuda"), **options,
+        )  # fmt: skip
+
+    stops = torch.randperm(len(tokenizer), generator=torch.Generator().manual_seed(0))[:256].tolist()
+    for options in ({"compile_decode": False}, {}):  # graphs of eager kernels, and of the compiled ones (the default)
+        captured = engine(stops, cuda_graph=True, **options)
+        torch.manual_seed(0)
+        out = captured.generate(batch, SamplingSettings(24))
+        assert_rows_stop_at_their_first_stop_id(out.completions, stops, 24)
+        assert out.stats.decode_steps > 0
+        held = captured.generate(batch, SamplingSettings(8, min_new_tokens=8))
+        assert all(len(c) == 8 and not set(c) & set(stops) for c in held.completions)
+
+
 def test_lora_adapters_are_merged_into_the_snapshot(model_and_tokenizer, tiny_model):
     _, tokenizer = model_and_tokenizer
     base = AutoModelForCausalLM.from_pretrained(tiny_model)

@@ -7,21 +7,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from trl import ModelConfig, TrlParser
 
 from helpers import free_port
-from trl_dapo import DAPOConfig
 from trl_dapo.reporting import SUMMARY_METRICS
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "recipes"))
-from dapo_math import ScriptArguments  # noqa: E402
+from dapo_math import RecipeConfig, ScriptArguments  # noqa: E402
 
 CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
 
 
 def parse(*argv):
-    parser = TrlParser((ScriptArguments, DAPOConfig, ModelConfig))
+    parser = TrlParser((ScriptArguments, RecipeConfig, ModelConfig))
     return parser.parse_args_and_config(args=list(argv))
 
 
@@ -78,6 +78,18 @@ def test_help_prints():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "--dynamic_sampling_on_limit" in result.stdout and "--overlong_buffer_len" in result.stdout
+    text = " ".join(result.stdout.split())  # argparse wraps the help strings
+
+    def help_of(option: str) -> str:
+        return text.split(f"{option} ")[-1].split(" (default")[0]
+
+    assert help_of("--resume-from-checkpoint RESUME_FROM_CHECKPOINT") == (
+        "Continue a run: a checkpoint folder, or 'true' for the last checkpoint in output_dir; 'false' or unset: "
+        "start from step 0."
+    )
+    assert help_of("--bf16 BF16") == (
+        "bf16 mixed precision. Unset (None): on where bf16 can run (a bf16 GPU, XLA, or use_cpu), off elsewhere."
+    )
 
 
 def test_resume_from_checkpoint_continues_the_run(tmp_path):
@@ -90,7 +102,7 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
         "--logging_steps", "1", "--per_device_train_batch_size", "16", "--generation_batch_size", "32",
         "--save_strategy", "steps", "--save_steps", "1",
     ]  # fmt: skip
-    main(*parse(*quick, "--max_steps", "2"))
+    main(*parse(*quick, "--max_steps", "2", "--resume_from_checkpoint", "false"))
     first_state = output / "checkpoint-1" / "trainer_state.json"
     written = first_state.stat().st_mtime_ns
     main(*parse(*quick, "--max_steps", "3", "--resume_from_checkpoint", str(output / "checkpoint-2")))
@@ -98,6 +110,32 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
     state = json.loads((output / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
     assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (
+            ["--dynamic_sampling_metric", "accurcy"],
+            r"dynamic_sampling_metric='accurcy' names no reward function; use one of \['dapo_math_reward', 'overl",
+        ),
+        pytest.param(
+            ["--dynamic_sampling_mode", "stream"],
+            r"dynamic_sampling_mode='stream' refills the decode slots .* without a CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the 'auto' engine is the paged one"),
+        ),
+    ],
+    ids=["filter-metric-typo", "stream-without-cuda"],
+)
+def test_invalid_settings_stop_the_recipe_before_it_builds_a_model(tmp_path, option, message):
+    """The tiny model is built and warm-started before the trainer: a setting the trainer rejects must stop the run
+    before that work."""
+    from dapo_math import main
+
+    output = tmp_path / "run"
+    with pytest.raises(ValueError, match=message):
+        main(*parse("--config", str(ROOT / "recipes/configs/tiny_cpu.yaml"), "--output_dir", str(output), *option))
+    assert not (output / "tiny-model").exists()
 
 
 @pytest.mark.distributed

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import dapo_args
 from trl_dapo.rollout import SamplingSettings, sampling_settings
-from trl_dapo.rollout.sampling import chunked_argmax, chunked_logsumexp, pick_tokens, truncate
+from trl_dapo.rollout.sampling import chunked_argmax, chunked_logsumexp, pick_tokens, stop_table, truncate
 from trl_dapo.rollout.weights import linear_weight
 
 
@@ -23,11 +23,11 @@ def test_fp32_logits_are_the_unrounded_products_and_follow_the_training_head(tmp
     hidden = torch.randn(64, 256, generator=generator).bfloat16()
     lm_head = (torch.randn(512, 256, generator=generator) / 4).bfloat16()
     exact = torch.log_softmax(hidden.double() @ lm_head.double().T, dim=-1)
-    eos, none = torch.tensor([2]), torch.zeros(())
+    stops, none = stop_table([2], 512, "cpu"), torch.zeros(())
     errors = {}
     for fp32 in (False, True):
         settings = SamplingSettings(1, greedy=True, fp32_logits=fp32)
-        token, logprob = pick_tokens(hidden, lm_head, None, settings, eos, none)
+        token, logprob = pick_tokens(hidden, lm_head, None, settings, stops, none)
         errors[fp32] = (logprob.double() - exact.gather(1, token[:, None]).squeeze(1)).abs().max().item()
     assert errors[True] < 1e-5 < 1e-3 < errors[False] < 2**-4
     for cast in (False, True):
@@ -71,7 +71,7 @@ def test_the_head_picks_the_gumbel_max_token_and_its_tempered_logprob(top_k, top
     hidden, lm_head = torch.randn(16, 32, generator=generator), torch.randn(2048, 32, generator=generator)
     noise = torch.rand(16, 2048, generator=generator)
     settings = SamplingSettings(4, temperature=0.7, top_k=top_k, top_p=top_p)
-    token, logprob = pick_tokens(hidden, lm_head, noise, settings, torch.tensor([2]), torch.zeros(()))
+    token, logprob = pick_tokens(hidden, lm_head, noise, settings, stop_table([2], 2048, "cpu"), torch.zeros(()))
     logits = (hidden @ lm_head.T) / 0.7
     candidates = truncate(logits, settings) if top_k else logits
     expected = (candidates - torch.log(-torch.log(noise))).argmax(dim=-1)
@@ -87,12 +87,12 @@ def test_the_compiled_head_serves_models_of_other_vocabularies():
     makes it symbolic: the compiled head must still give the eager head's tokens and logprobs."""
     compiled = torch.compile(pick_tokens, fullgraph=True)
     settings = SamplingSettings(4, temperature=0.7, min_new_tokens=2)
-    eos, generated = torch.tensor([2]), torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    generated = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
     for vocab in (2048, 1536, 5100):
         generator = torch.Generator().manual_seed(vocab)
         hidden, lm_head = torch.randn(8, 16, generator=generator), torch.randn(vocab, 16, generator=generator)
-        noise = torch.rand(8, vocab, generator=generator)
-        token, logprob = compiled(hidden, lm_head, noise, settings, eos, generated)
-        expected_token, expected_logprob = pick_tokens(hidden, lm_head, noise, settings, eos, generated)
+        noise, stops = torch.rand(8, vocab, generator=generator), stop_table([2], vocab, "cpu")
+        token, logprob = compiled(hidden, lm_head, noise, settings, stops, generated)
+        expected_token, expected_logprob = pick_tokens(hidden, lm_head, noise, settings, stops, generated)
         assert torch.equal(token, expected_token)
         torch.testing.assert_close(logprob, expected_logprob)

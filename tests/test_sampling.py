@@ -3,6 +3,7 @@
 import io
 import math
 
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset
@@ -160,7 +161,7 @@ def test_limit_with_nothing_informative_returns_an_empty_batch_to_skip():
 def test_unlimited_rounds():
     rounds = [([i], [False]) for i in range(12)] + [([99], [True])]
     generate, _ = scripted_rounds(rounds)
-    batch, stats = new_buffer(max_num_gen_batches=0).fill(1, generate, step=0, dataset_prompts=13)
+    batch, stats = new_buffer(max_num_gen_batches=0).fill(1, generate, step=0, dataset_prompts=lambda: 13)
     assert groups_of(batch) == [99] and stats.gen_batches == 13
 
 
@@ -168,7 +169,7 @@ def test_unlimited_rounds_stop_after_a_full_pass_without_an_informative_group():
     """5 prompts in the training set: the 5th uninformative group in a row ends the search, instead of looping."""
     generate, requested = scripted_rounds([([1, 2], [True, False])] + [([i], [False]) for i in range(3, 20)])
     with pytest.raises(DynamicSamplingLimitError, match="at least 5 groups in a row, as many as train_dataset has"):
-        new_buffer(max_num_gen_batches=0).fill(3, generate, step=0, dataset_prompts=5)
+        new_buffer(max_num_gen_batches=0).fill(3, generate, step=0, dataset_prompts=lambda: 5)
     assert len(requested) == 6  # round 1 found one; rounds 2-6 found nothing in 5 groups
 
 
@@ -274,3 +275,14 @@ def test_soft_overlong_penalty_factor_and_off_switch():
     lengths = torch.tensor([18])
     assert soft_overlong_penalty(lengths, 20, 4, penalty_factor=0.5).item() == pytest.approx(-0.25)
     assert soft_overlong_penalty(lengths, 20, 0).item() == 0.0
+
+
+def test_soft_overlong_penalty_takes_any_sequence_of_lengths():
+    expected = [0.0, -0.25, -1.0]
+    for lengths in ([16, 17, 21], (16, 17, 21), np.array([16, 17, 21]), torch.tensor([16, 17, 21])):
+        penalty = soft_overlong_penalty(lengths, max_completion_length=20, buffer_len=4)
+        assert penalty.dtype == torch.float32 and penalty.tolist() == expected
+    assert soft_overlong_penalty([16, 17, 21], 20, 0).tolist() == [0.0, 0.0, 0.0]
+    for wrong in (["16"], None, [True, False]):
+        with pytest.raises(TypeError, match=r"completion_lengths must be token counts .* \[len\(ids\) for ids in"):
+            soft_overlong_penalty(wrong, 20, 4)

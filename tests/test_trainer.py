@@ -3,13 +3,17 @@ shaping, integrity errors, PEFT, evaluation and checkpoint resume."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from datasets import IterableDataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from helpers import arithmetic_prompts, dapo_args, first_token_parity, length_reward, trained_rows
 from trl_dapo import DAPOTrainer
+from trl_dapo.data import arithmetic_dataset
+from trl_dapo.evaluation import MathAccuracyCallback
 from trl_dapo.integrity import RolloutIntegrityError
 from trl_dapo.rewards import soft_overlong_penalty
 from trl_dapo.sampling import DynamicSamplingLimitError
@@ -182,6 +186,30 @@ def test_unlimited_rounds_stop_after_a_full_pass_over_the_prompts(tiny_model, tm
         trainer.train()
 
 
+def test_unlimited_rounds_over_a_stream_stop_once_its_size_is_known(tiny_model, tmp_path):
+    """A stream's size is unknown until its first pass ends, which happens during the rounds: the search must stop
+    then (8 prompts, 2 groups a round: about 5 rounds), not loop forever. The reward fails the test past 20 rounds."""
+    rounds = []
+
+    def constant_for_20_rounds(completion_ids, **kwargs):
+        rounds.append(len(completion_ids))
+        assert len(rounds) <= 20, "dynamic sampling still going after 20 rounds over a stream of 8 prompts"
+        return constant_reward(completion_ids)
+
+    trainer = make_trainer(
+        tiny_model,
+        tmp_path,
+        reward=constant_for_20_rounds,
+        max_num_gen_batches=0,
+        dataset=arithmetic_prompts(8).to_iterable_dataset(),
+    )
+    with pytest.raises(DynamicSamplingLimitError, match="at least 8 groups in a row, as many as train_dataset has"):
+        trainer.train()
+    # the dataloader's 2 prompts, then 2 a round from the stream: its 9th draw (round 5) ends its first pass, and
+    # by then 12 groups in a row were uninformative
+    assert len(rounds) == 6
+
+
 def test_train_on_partial_uses_the_groups_found_and_their_token_count(tiny_model, tmp_path):
     def one_prompt_informative(completion_ids, index, **kwargs):
         return [float(len(c) % 2) if i == 3 else 0.0 for c, i in zip(completion_ids, index, strict=True)]
@@ -239,6 +267,57 @@ def test_bad_rewards_stop_training_with_a_clear_error(tiny_model, tmp_path, rewa
         make_trainer(tiny_model, tmp_path, reward=reward, max_steps=1).train()
 
 
+def returns_a_string(completion_ids, **kwargs):
+    return "1.0"
+
+
+def returns_nothing(completion_ids, **kwargs):
+    return None
+
+
+def returns_strings(completion_ids, **kwargs):
+    return ["1.0"] * len(completion_ids)
+
+
+async def returns_a_string_later(completion_ids, **kwargs):
+    return "1.0"
+
+
+@pytest.mark.parametrize(
+    ("reward", "message"),
+    [
+        (returns_a_string, r"reward function 'returns_a_string' returned str '1.0'; return a list with one float"),
+        (returns_nothing, r"reward function 'returns_nothing' returned NoneType None; return a list with one float"),
+        (returns_strings, r"reward function 'returns_strings' returned str '1.0' for completion 0; return a float"),
+        (returns_a_string_later, r"reward function 'returns_a_string_later' returned str '1.0'; return a list"),
+    ],
+)
+def test_a_reward_function_returning_no_list_of_numbers_is_named(tiny_model, tmp_path, reward, message):
+    """TRL's own errors here are `too many dimensions 'str'` and `'NoneType' object is not iterable`."""
+    with pytest.raises(TypeError, match=message):
+        make_trainer(tiny_model, tmp_path, reward=[length_reward, reward], max_steps=1).train()
+
+
+def test_rewards_as_numbers_of_any_kind_are_accepted(tiny_model, tmp_path):
+    """Tuples, arrays, tensors, ints, bools and None (not applicable) are numbers TRL takes: they must still pass."""
+
+    def varied(completion_ids, **kwargs):
+        return tuple(len(ids) % 2 == 0 for ids in completion_ids)
+
+    def as_array(completion_ids, **kwargs):
+        return np.array([float(ids[0] % 2) if ids else 0.0 for ids in completion_ids])
+
+    def as_tensor(completion_ids, **kwargs):
+        return torch.tensor([len(ids) for ids in completion_ids])
+
+    def sometimes(completion_ids, **kwargs):
+        return [None if index % 2 else 1 for index in range(len(completion_ids))]
+
+    trainer = make_trainer(tiny_model, tmp_path, reward=[varied, as_array, as_tensor, sometimes], max_steps=1)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
 def test_rollout_with_missing_logprobs_is_rejected(tiny_model, tmp_path):
     rollout = ScriptedRollout(AutoTokenizer.from_pretrained(tiny_model))
 
@@ -261,6 +340,59 @@ def test_rollout_with_missing_logprobs_is_rejected(tiny_model, tmp_path):
 def test_unknown_filter_metric_is_rejected(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="dynamic_sampling_metric='accuracy' names no reward function"):
         make_trainer(tiny_model, tmp_path, dynamic_sampling_metric="accuracy")
+
+
+async def async_length_reward(completion_ids, **kwargs) -> list[float]:
+    return length_reward(completion_ids)
+
+
+@pytest.mark.parametrize(
+    ("settings", "reward", "message"),
+    [
+        (
+            dict(dynamic_sampling_metric="accurcy"),
+            length_reward,
+            r"dynamic_sampling_metric='accurcy' names no reward function; use one of \['length_reward', 'overlong_pe",
+        ),
+        (
+            dict(dynamic_sampling_mode="stream", rollout_engine="paged"),
+            async_length_reward,
+            "reward_funcs: 'async_length_reward' is a reward model or an async function",
+        ),
+        (
+            dict(dynamic_sampling_mode="stream", rollout_engine="paged"),
+            "some-org/a-reward-model",
+            "reward_funcs: 'a-reward-model' is a reward model",
+        ),
+        (
+            dict(dynamic_sampling_mode="stream", rollout_engine="paged", min_p=0.1),
+            length_reward,
+            "rollout_engine='paged' cannot be used here: min_p",
+        ),
+        (dict(reward_weights=[1.0, 2.0]), length_reward, r"reward_weights=\[1.0, 2.0\] has 2 weights for 1 reward"),
+    ],
+    ids=["filter-metric-typo", "stream-async-reward", "stream-reward-model", "paged-min-p", "reward-weights"],
+)
+def test_settings_are_checked_before_any_model_loads(tmp_path, settings, reward, message):
+    """The model path does not exist: an error about the model would mean the settings were checked after it."""
+    with pytest.raises(ValueError, match=message):
+        DAPOTrainer(
+            model=str(tmp_path / "no-model-here"),
+            reward_funcs=reward,
+            args=dapo_args(tmp_path, per_device_train_batch_size=8, **settings),
+            train_dataset=arithmetic_prompts(8),
+        )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the 'auto' engine is the paged one")
+def test_stream_mode_without_cuda_needs_the_paged_engine_before_any_model_loads(tmp_path):
+    with pytest.raises(ValueError, match=r"rollout_engine='auto': without a CUDA device TRL's path generates\)\. Set"):
+        DAPOTrainer(
+            model=str(tmp_path / "no-model-here"),
+            reward_funcs=length_reward,
+            args=dapo_args(tmp_path, per_device_train_batch_size=8, dynamic_sampling_mode="stream"),
+            train_dataset=arithmetic_prompts(8),
+        )
 
 
 def always_right(completion_ids, **kwargs) -> list[float]:
@@ -355,6 +487,42 @@ def test_trained_batch_metrics_are_trls_when_every_candidate_is_trained(tiny_mod
     assert len(names) == 14 and set(names) == set(trained_batch_metric_names(grpo.reward_func_names))
     for name in names:
         assert dapo.state.log_history[0][name] == pytest.approx(grpo.state.log_history[0][name], abs=1e-6), name
+
+
+@pytest.mark.parametrize(("every", "steps"), [(1, [1, 2, 3]), (2, [2, 3])])
+def test_held_out_accuracy_is_logged_once_per_evaluated_step(tiny_model, tmp_path, every, steps):
+    """Every `every` steps and at the end of training: a last step already evaluated is not evaluated again (the
+    recipe's summary averaged the duplicate, and at 7B it cost a whole avg@32 pass)."""
+    splits = arithmetic_dataset(num_train=8, num_test=2)
+    trainer = make_trainer(tiny_model, tmp_path, dataset=splits["train"], max_steps=3)
+    trainer.add_callback(MathAccuracyCallback(trainer, splits["test"], k=2, every=every))
+    trainer.train()
+    assert [entry["step"] for entry in trainer.state.log_history if "eval/accuracy" in entry] == steps
+
+
+def no_rows():
+    yield from ()
+
+
+@pytest.mark.parametrize("form", ["dataset", "stream", "dict"])
+def test_an_empty_evaluation_set_is_an_error(tiny_model, tmp_path, form):
+    """GRPOTrainer would evaluate on 0 prompts without a word."""
+    empty = arithmetic_prompts(0)
+    if form == "stream":
+        eval_dataset = IterableDataset.from_generator(no_rows)
+    else:
+        eval_dataset = {"dataset": empty, "dict": {"held_out": empty}}[form]
+    name = r"eval_dataset\['held_out'\]" if form == "dict" else "eval_dataset"
+    with pytest.raises(ValueError, match=rf"{name} is empty: evaluation would run on 0 prompts"):
+        DAPOTrainer(
+            model=tiny_model,
+            reward_funcs=length_reward,
+            args=dapo_args(tmp_path, per_device_train_batch_size=8, eval_strategy="steps", eval_steps=1),
+            train_dataset=arithmetic_prompts(8),
+            eval_dataset=eval_dataset,
+        )
+    with pytest.raises(ValueError, match="MathAccuracyCallback: the held-out dataset is empty"):
+        MathAccuracyCallback(None, arithmetic_dataset(num_train=4, num_test=0)["test"])
 
 
 def test_lora_and_evaluation(tiny_model, tmp_path):

@@ -13,7 +13,8 @@ from .rewards.math import CORRECT, score_answer
 
 
 class MathAccuracyCallback(TrainerCallback):
-    """Every `every` optimizer steps and at the end of training, sample `k` completions per held-out problem.
+    """Every `every` optimizer steps and at the end of training (unless the last step was just evaluated), sample
+    `k` completions per held-out problem.
 
     Results join the next training log as `eval/accuracy` (avg@k) and `eval/pass@k`. Each rank scores a share of the
     problems; the counts are gathered.
@@ -29,16 +30,25 @@ class MathAccuracyCallback(TrainerCallback):
         top_p: float = 0.7,
         batch_size: int = 8,
     ) -> None:
+        if len(dataset) == 0:
+            raise ValueError(
+                "MathAccuracyCallback: the held-out dataset is empty, so avg@k and pass@k would be computed over 0 "
+                "problems; pass held-out problems, or leave the callback out."
+            )
         self.trainer, self.dataset, self.k, self.every = trainer, dataset, k, every
         self.temperature, self.top_p, self.batch_size = temperature, top_p, batch_size
+        self.evaluated_step: int | None = None
 
     def on_step_end(self, args, state, control, **kwargs: Any):
         if self.every and state.global_step % self.every == 0:
             self.evaluate()
+            self.evaluated_step = state.global_step
 
     def on_train_end(self, args, state, control, **kwargs: Any):
-        self.evaluate()
-        self.trainer.log({})  # flush the final numbers into the log history
+        if self.evaluated_step != state.global_step:  # a second pass would log the same step twice
+            self.evaluate()
+        if self.trainer._metrics["train"]:
+            self.trainer.log({})  # flush the final numbers into the log history
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

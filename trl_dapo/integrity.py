@@ -6,9 +6,14 @@ misaligned sample would bias the token-mean and the group advantages without any
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import numpy as np
 import torch
+from trl.trainer.utils import is_async_callable
 
 
 class RolloutIntegrityError(ValueError):
@@ -36,6 +41,47 @@ def check_rewards(rewards_per_func: torch.Tensor, num_completions: int, reward_f
             f"rewards: completion {row} (and {int(unscored.sum()) - 1} more) got no reward: every reward function "
             f"{list(reward_func_names)} returned None/NaN; at least one must score each completion."
         )
+
+
+def check_reward_values(values: Any, name: str) -> None:
+    """A reward function returns a sequence of numbers (None where it does not apply): anything else would reach TRL
+    as an error that does not name the function (`too many dimensions 'str'`, `'NoneType' object is not iterable`)."""
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray | torch.Tensor):
+        raise TypeError(
+            f"reward function {name!r} returned {type(values).__name__} {values!r:.60}; return a list with one float "
+            "per completion (None where the function does not apply)."
+        )
+    for index, value in enumerate(values):
+        if not (value is None or isinstance(value, numbers.Real | np.bool_) or _is_real_scalar_tensor(value)):
+            raise TypeError(
+                f"reward function {name!r} returned {type(value).__name__} {value!r:.60} for completion {index}; "
+                "return a float per completion (None where the function does not apply)."
+            )
+
+
+def _is_real_scalar_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()
+
+
+def checked_reward_function(function: Callable, name: str) -> Callable:
+    """`function` (sync or async, kept so) with its output checked by `check_reward_values`."""
+    if is_async_callable(function):
+
+        @functools.wraps(function)
+        async def checked_async(*args: Any, **kwargs: Any) -> Any:
+            values = await function(*args, **kwargs)
+            check_reward_values(values, name)
+            return values
+
+        return checked_async
+
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        values = function(*args, **kwargs)
+        check_reward_values(values, name)
+        return values
+
+    return checked
 
 
 def check_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int) -> None:

@@ -6,6 +6,8 @@ with a hub id: this writes a real `save_pretrained` folder (Qwen2 architecture, 
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -73,10 +75,10 @@ def build_tiny_model(
     intermediate_size: int | None = None,
     num_heads: int = 4,
     num_kv_heads: int = 2,
-    max_position_embeddings: int = 512,
+    max_position_embeddings: int = 2048,
 ) -> str:
     """Save a randomly initialised model (2 layers by default) and its tokenizer (the tiny BPE one by default) to
-    `output_dir`; return the path.
+    `output_dir`; return the path. Its context holds a prompt and DAPOConfig's default completion length (512).
 
     `kind`: `"causal_lm"` (Qwen2), `"moe"` (Qwen3-MoE, 4 experts, returns the router load-balancing loss) or
     `"reward"` (a Qwen2 sequence classifier with one score, the shape of a reward model).
@@ -115,9 +117,24 @@ def build_tiny_model(
     if model.can_generate():
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    _save_from_this_process(model, tokenizer, Path(output_dir))
     return str(output_dir)
+
+
+def _save_from_this_process(model, tokenizer, output_dir: Path) -> None:
+    """Write the model and tokenizer from this process, whatever its rank: every process that builds the (seeded,
+    identical) model can load it once this returns. Within a process group transformers writes a model's files on
+    rank 0 only, which left the other ranks without weights; each process writes into a folder of its own beside
+    `output_dir` and moves every file into place with an atomic replace, so processes building into one folder
+    never read a partial file."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    # this process writes its copy, whatever its rank
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    with tempfile.TemporaryDirectory(dir=output_dir.parent, prefix=f".{output_dir.name}-") as private:
+        model.save_pretrained(private)
+        tokenizer.save_pretrained(private)
+        for written in Path(private).iterdir():
+            os.replace(written, output_dir / written.name)
 
 
 def supervised_warm_start(
@@ -127,7 +144,8 @@ def supervised_warm_start(
 
     RL starts from a model that already writes the answer format and is sometimes right; a random-init model never
     writes `Answer:` at all, so every math reward would be -1. Stopping this early leaves a partly right model,
-    standing in for a base model's prior.
+    standing in for a base model's prior. Within a process group transformers saves on rank 0 only: run it on the
+    main process while the others wait (the math recipe does, with `main_process_first`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

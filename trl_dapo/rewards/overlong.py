@@ -12,14 +12,34 @@ import torch
 
 
 def soft_overlong_penalty(
-    completion_lengths: torch.Tensor, max_completion_length: int, buffer_len: int, penalty_factor: float = 1.0
+    completion_lengths: torch.Tensor | Sequence[int],
+    max_completion_length: int,
+    buffer_len: int,
+    penalty_factor: float = 1.0,
 ) -> torch.Tensor:
-    """0 up to `max - buffer`, then linear down to `-penalty_factor` at `max`, `-penalty_factor` beyond."""
+    """0 up to `max - buffer`, then linear down to `-penalty_factor` at `max`, `-penalty_factor` beyond; one float32
+    value per length, from a tensor or any sequence of token counts."""
+    lengths = _as_lengths(completion_lengths)
     if buffer_len <= 0:
-        return torch.zeros_like(completion_lengths, dtype=torch.float32)
+        return torch.zeros_like(lengths, dtype=torch.float32)
     expected = max_completion_length - buffer_len
-    excess = (completion_lengths.float() - expected).clamp(min=0, max=buffer_len)
+    excess = (lengths.float() - expected).clamp(min=0, max=buffer_len)
     return -excess / buffer_len * penalty_factor
+
+
+def _as_lengths(completion_lengths: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """Token counts as a tensor; anything else is a `TypeError` that says what is expected."""
+    try:
+        lengths = torch.as_tensor(completion_lengths)
+    except (TypeError, ValueError, RuntimeError):
+        lengths = None
+    if lengths is None or lengths.dtype == torch.bool or lengths.is_complex():
+        raise TypeError(
+            f"soft_overlong_penalty: completion_lengths must be token counts (a tensor or a sequence of numbers), got "
+            f"{type(completion_lengths).__name__} {completion_lengths!r:.80}; pass e.g. [len(ids) for ids in "
+            "completion_ids]."
+        )
+    return lengths
 
 
 OVERLONG_REWARD_NAME = "overlong_penalty"

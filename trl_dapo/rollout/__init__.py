@@ -32,15 +32,32 @@ def sampling_settings(args) -> SamplingSettings:
     )
 
 
+def why_settings_rule_out_engine(args, rollout_func, tools) -> str | None:
+    """Why the rollout engine cannot serve these settings whatever the model, or None: known before a model loads."""
+    checks = [
+        (args.use_vllm, "use_vllm=True: vLLM generates"),
+        (rollout_func is not None, "a rollout_func generates"),
+        (bool(tools), "tool calling needs TRL's multi-turn loop"),
+        (args.use_transformers_continuous_batching, "continuous batching was asked for"),
+        (args.min_p is not None or args.repetition_penalty != 1.0, "min_p / repetition_penalty"),
+        (bool(set(args.generation_kwargs or {}) - SUPPORTED_GENERATION_KWARGS), "unsupported generation_kwargs"),
+    ]
+    return next((reason for failed, reason in checks if failed), None)
+
+
+def unusable_engine(choice: str, reason: str) -> ValueError:
+    return ValueError(f"DAPOConfig.rollout_engine={choice!r} cannot be used here: {reason}.")
+
+
 def why_engine_cannot_serve(trainer) -> str | None:
     """Why the rollout engine cannot serve this trainer's set-up, or None when it can."""
     args = trainer.args
+    settings = why_settings_rule_out_engine(args, trainer.rollout_func, trainer.tools)
+    if settings is not None:
+        return settings
     model = trainer.accelerator.unwrap_model(trainer.model)
     config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
     checks = [
-        (args.use_vllm, "use_vllm=True: vLLM generates"),
-        (trainer.rollout_func is not None, "a rollout_func generates"),
-        (bool(trainer.tools), "tool calling needs TRL's multi-turn loop"),
         (trainer._is_vlm, "multimodal model"),
         (config.model_type not in SUPPORTED_MODEL_TYPES, f"model type {config.model_type!r} is not supported"),
         (
@@ -52,13 +69,10 @@ def why_engine_cannot_serve(trainer) -> str | None:
             is_zero3(trainer) and not args.ds3_gather_for_generation,
             "ds3_gather_for_generation=False asks for no full copy of the weights, which the engine keeps",
         ),
-        (args.use_transformers_continuous_batching, "continuous batching was asked for"),
         (
             trainer.is_fsdp_enabled and not trainer.accelerator.is_fsdp2,
             "FSDP1 shards the weights (use fsdp_version 2)",
         ),
-        (args.min_p is not None or args.repetition_penalty != 1.0, "min_p / repetition_penalty"),
-        (bool(set(args.generation_kwargs or {}) - SUPPORTED_GENERATION_KWARGS), "unsupported generation_kwargs"),
     ]
     return next((reason for failed, reason in checks if failed), None)
 
@@ -75,7 +89,7 @@ def select_rollout_engine(trainer) -> PagedRolloutEngine | None:
     reason = why_engine_cannot_serve(trainer)
     if reason is not None:
         if choice != "auto":
-            raise ValueError(f"DAPOConfig.rollout_engine={choice!r} cannot be used here: {reason}.")
+            raise unusable_engine(choice, reason)
         logger.warning("rollout_engine='auto' falls back to TRL's generation path: %s.", reason)
         return None
     return PagedRolloutEngine(
@@ -100,4 +114,6 @@ __all__ = [
     "SamplingSettings",
     "sampling_settings",
     "select_rollout_engine",
+    "unusable_engine",
+    "why_settings_rule_out_engine",
 ]

@@ -40,7 +40,7 @@ from .paged_attention import (
     triton,
     triton_decode_attention,
 )
-from .sampling import SamplingSettings, pick_tokens, sampling_noise
+from .sampling import SamplingSettings, pick_tokens, sampling_noise, stop_table
 from .scheduler import Prefix, Scheduler
 from .weights import WeightSnapshot, gather_nothing
 
@@ -120,7 +120,7 @@ class PagedRolloutEngine:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
         self.vocab_size = self.snapshot.lm_head.size(0)
-        self.eos = torch.tensor(self.eos_token_ids, device=self.device)
+        self.stop_table = stop_table(self.eos_token_ids, self.vocab_size, self.device)
         self._rope_length = 0
         self.warm_steps: set[tuple] = set()  # (bucket, settings) whose decode step has run (compiled, kernels chosen)
         self._use_triton = self.device.type == "cuda" and triton is not None
@@ -520,7 +520,9 @@ class _Generation:
         hidden = torch.stack([self.hidden[index] for index in prefixes])
         generated = torch.from_numpy(scheduler.generated[rows]).to(device)
         noise = sampling_noise(len(rows), engine.vocab_size, self.settings, device)
-        token, logprob = engine._pick(hidden, engine.snapshot.lm_head, noise, self.settings, engine.eos, generated)
+        token, logprob = engine._pick(
+            hidden, engine.snapshot.lm_head, noise, self.settings, engine.stop_table, generated
+        )
         row_index = torch.tensor(rows, dtype=torch.long, device=device)
         flat = row_index * self.max_new + generated
         self.out_tokens.view(-1).index_copy_(0, flat, token.to(torch.int32))
@@ -528,7 +530,8 @@ class _Generation:
         first, count = len(scheduler.running) - len(rows), len(rows)
         slots = self.slots
         slots.tokens[first : first + count] = token
-        slots.active[first : first + count] = ~(torch.isin(token, engine.eos) | (generated + 1 >= self.max_new))
+        stopped = engine.stop_table.index_select(0, token)
+        slots.active[first : first + count] = ~(stopped | (generated + 1 >= self.max_new))
         scheduler.generated[rows] += 1
 
     # ---------------------------------------------------------------------------------------------- prefill
@@ -607,11 +610,11 @@ class _Generation:
         hidden = engine._final_norm(x, delta, engine.snapshot.final_norm)
         noise = sampling_noise(bucket, engine.vocab_size, self.settings, engine.device)
         counts = generated.clone()  # not a view, as in `_start_rows`
-        token, logprob = engine._pick(hidden, engine.snapshot.lm_head, noise, self.settings, engine.eos, counts)
+        token, logprob = engine._pick(hidden, engine.snapshot.lm_head, noise, self.settings, engine.stop_table, counts)
         flat = torch.where(active, rows * self.max_new + generated, self.dump_index)
         self.out_tokens.view(-1).index_copy_(0, flat, token.to(torch.int32))
         self.out_logprobs.view(-1).index_copy_(0, flat, logprob)
-        finished = torch.isin(token, engine.eos) | (generated + 1 >= self.max_new)
+        finished = engine.stop_table.index_select(0, token) | (generated + 1 >= self.max_new)
         generated.add_(active.long())
         positions.add_(active.long())
         tokens.copy_(token)

@@ -34,6 +34,18 @@ class SamplingSettings:
     fp32_logits: bool = False  # float32 logits from the bf16 head, accumulated without rounding them to bf16
 
 
+def stop_table(stop_token_ids: list[int], vocab_size: int, device) -> torch.Tensor:
+    """(vocab_size,) bool, True at the ids that end a row: whether a token ends its row is one lookup, whatever the
+    number of ids. `torch.isin` sorts once the ids outnumber a few, which a CUDA graph cannot capture (the capture
+    of a decode step with 24 ids failed), and its comparison grows with the ids. Ids past the vocabulary are never
+    sampled."""
+    if any(token < 0 for token in stop_token_ids):
+        raise ValueError(f"stop token ids must be non-negative, got {sorted(set(stop_token_ids))}.")
+    table = torch.zeros(vocab_size, dtype=torch.bool)
+    table[[token for token in stop_token_ids if token < vocab_size]] = True
+    return table.to(device)
+
+
 def sampling_noise(rows: int, vocab_size: int, settings: SamplingSettings, device) -> torch.Tensor | None:
     """Uniform noise for Gumbel-max, drawn outside compiled code so graph replays advance the generator."""
     return None if settings.greedy else torch.rand(rows, vocab_size, device=device)
@@ -44,19 +56,19 @@ def pick_tokens(
     lm_head: torch.Tensor,
     noise: torch.Tensor | None,
     settings: SamplingSettings,
-    eos: torch.Tensor,
+    stops: torch.Tensor,
     generated: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next token per row and its logprob; EOS is blocked for rows with fewer than `min_new_tokens` `generated`.
+    """Next token per row and its logprob; the stop tokens are blocked for rows with fewer than `min_new_tokens`
+    `generated`.
 
-    hidden (rows, hidden), lm_head (vocab, hidden), noise (rows, vocab) uniform or None (greedy), eos (n,) ids,
-    generated (rows,) or a scalar: tokens each row has generated so far.
+    hidden (rows, hidden), lm_head (vocab, hidden), noise (rows, vocab) uniform or None (greedy), stops (vocab,) bool
+    (`stop_table`), generated (rows,) or a scalar: tokens each row has generated so far.
     """
     logits = head_logits(hidden, lm_head, settings.fp32_logits)
     if settings.min_new_tokens:
-        # a mask, not an in-place add to the EOS columns: that would make the compiler write the float32 logits out
-        is_eos = (torch.arange(logits.size(1), device=logits.device).unsqueeze(1) == eos).any(dim=1)
-        blocked = (generated < settings.min_new_tokens).reshape(-1, 1) & is_eos
+        # a mask, not an in-place add to the stop columns: that would make the compiler write the float32 logits out
+        blocked = (generated < settings.min_new_tokens).reshape(-1, 1) & stops
         logits = logits + blocked.float() * -1e9
     candidates = logits
     if noise is not None:

@@ -21,6 +21,8 @@ from .rollout_batch import RolloutBatch, concat_rollouts, num_rows, select_rows
 GenerateRound = Callable[[int, int], tuple[RolloutBatch, torch.Tensor]]
 # Told before each extra round: (round index, groups it will generate, informative groups so far, groups needed).
 RoundReport = Callable[[int, int, int, int], None]
+# The prompts in one pass over the training set, or None while unknown (a stream's, until one pass has ended).
+DatasetSize = Callable[[], int | None]
 
 # Margin over the expected need when sizing rounds from the running efficiency ("auto"): overshoot is kept as
 # surplus, a second round costs a whole generation pass.
@@ -166,15 +168,16 @@ class DynamicSamplingBuffer:
         generate_round: GenerateRound,
         step: int,
         group_multiple: int = 1,
-        dataset_prompts: int | None = None,
+        dataset_prompts: DatasetSize | None = None,
         report: RoundReport | None = None,
     ) -> tuple[RolloutBatch, SamplingStats]:
         """Return up to `target_groups` informative groups (surplus first, then candidate rounds in order) and the
         stats.
 
         `group_multiple`: the returned group count is a multiple of it (so the rows share equally over ranks).
-        `dataset_prompts`: the training set's size; with unlimited rounds, that many uninformative groups in a row
-        (a full pass over the data) stop the search with an error instead of looping forever.
+        `dataset_prompts`: the training set's size, asked before every round (a stream's becomes known while the
+        rounds draw from it); with unlimited rounds, that many uninformative groups in a row (a full pass over the
+        data) stop the search with an error instead of looping forever.
         At the round limit with `on_limit="train_on_partial"` the batch may be short, or empty when nothing qualified:
         the caller then skips the optimizer step.
         """
@@ -184,8 +187,9 @@ class DynamicSamplingBuffer:
         while have < target_groups:
             if self.max_num_gen_batches and stats.gen_batches >= self.max_num_gen_batches:
                 break
-            if not self.max_num_gen_batches and dataset_prompts is not None and uninformative_run >= dataset_prompts:
-                raise DynamicSamplingLimitError(self._full_pass_message(stats, dataset_prompts))
+            pass_size = dataset_prompts() if dataset_prompts is not None else None
+            if not self.max_num_gen_batches and pass_size is not None and uninformative_run >= pass_size:
+                raise DynamicSamplingLimitError(self._full_pass_message(stats, pass_size))
             groups = self.plan_round(target_groups - have, target_groups, stats.gen_batches, group_multiple)
             if report is not None and stats.gen_batches:
                 report(stats.gen_batches, groups, have, target_groups)

@@ -24,6 +24,12 @@ def _bad(name: str, value: object, fix: str) -> ValueError:
     return ValueError(f"DAPOConfig.{name}={value!r} is invalid: {fix}")
 
 
+def _joined(counts: list[int]) -> str:
+    """1, 2 or 4."""
+    names = [str(count) for count in counts]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 @dataclass
 class _GenerationBatchCheck(TrainingArguments):
     """Runs between `TrainingArguments.__post_init__` (which sets up the processes, so the world size is known) and
@@ -181,6 +187,13 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             longer than the cap trains alone. `None`: one pass per micro-batch (its share of the step's tokens).
     """
 
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "bf16 mixed precision. Unset (None): on where bf16 can run (a bf16 GPU, XLA, or use_cpu), off "
+            "elsewhere."
+        },
+    )
     epsilon: float = field(default=0.2, metadata={"help": "Lower clip range ε_low."})
     epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip range ε_high (Clip-Higher)."})
     beta: float = field(default=0.0, metadata={"help": "KL coefficient; DAPO has none."})
@@ -317,6 +330,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                     self.generation_batch_size,
                     f"use a multiple of num_generations ({groups}).",
                 )
+            self._check_optimizer_steps_fit()
         else:
             steps = self.steps_per_generation or self.gradient_accumulation_steps
             if step_rows * steps % groups:
@@ -342,6 +356,32 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 f"multiple of {eval_groups // math.gcd(eval_groups, world)}.",
             )
 
+    def _check_optimizer_steps_fit(self) -> None:
+        """A generation batch given in completions must split into whole optimizer steps on this number of processes
+        (TRL's own error names neither the field to change nor the process counts that work)."""
+        rows, world = self.generation_batch_size, self.world_size
+        per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if rows % (per_step * world) == 0:
+            return
+        fixes = [
+            f"generation_batch_size to a multiple of {math.lcm(per_step * world, self.num_generations)}",
+        ]
+        if rows % (world * self.gradient_accumulation_steps) == 0:
+            fixes.append(
+                f"per_device_train_batch_size to a divisor of {rows // (world * self.gradient_accumulation_steps)}"
+            )
+        steps_per_process = rows // per_step if rows % per_step == 0 else 0
+        counts = [count for count in range(1, steps_per_process + 1) if steps_per_process % count == 0]
+        runs_on = f"; unchanged, these settings run on {_joined(counts)} processes" if counts else ""
+        raise _bad(
+            "generation_batch_size",
+            rows,
+            f"its {rows} completions must split into whole optimizer steps of per_device_train_batch_size "
+            f"({self.per_device_train_batch_size}) x gradient_accumulation_steps ({self.gradient_accumulation_steps}) "
+            f"x processes ({world}) = {per_step * world} completions. On {world} processes set {' or '.join(fixes)}"
+            f"{runs_on}.",
+        )
+
     def _validate_dapo_fields(self) -> None:
         """Reject settings that would silently stop this from being DAPO, naming the field and the fix."""
         if self.epsilon < 0 or self.epsilon >= 1:
@@ -355,6 +395,10 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 "epsilon_high",
                 self.epsilon_high,
                 f"Clip-Higher needs epsilon_high >= epsilon ({self.epsilon}); DAPO uses 0.28 with 0.2.",
+            )
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            raise _bad(
+                "max_completion_length", self.max_completion_length, "use a positive number of tokens, e.g. 1024."
             )
         if self.num_generations is None or self.num_generations < 2:
             raise _bad("num_generations", self.num_generations, "group advantages need at least 2 samples per prompt.")

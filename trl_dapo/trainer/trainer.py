@@ -31,16 +31,14 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from accelerate.utils import DistributedType, gather_object
-from datasets import IterableDataset
 from torch import nn
 from tqdm.auto import tqdm
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import is_async_callable
 
-from ..integrity import RolloutIntegrityError, check_completions, check_groups, check_rewards
+from ..integrity import RolloutIntegrityError, check_completions, check_groups, check_rewards, checked_reward_function
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
 from ..rollout import PagedRolloutEngine, sampling_settings, select_rollout_engine
 from ..sampling import (
@@ -71,6 +69,7 @@ from .micro_batches import MicroBatch, split_generation_batch
 from .mismatch import mismatch_metrics, rollout_correction
 from .packed_attention import enable_packed_attention, forward_packed, why_model_cannot_pack
 from .packing import pack_rows, unpack_scores
+from .set_up import check_set_up, check_stream_reward_functions, filter_column, stream_without_engine
 from .step_metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
@@ -124,7 +123,13 @@ class DAPOTrainer(GRPOTrainer):
             reward_funcs = list(reward_funcs)
         if isinstance(kwargs.get("reward_processing_classes"), list):
             kwargs["reward_processing_classes"] = list(kwargs["reward_processing_classes"])
+        set_up = ("train_dataset", "eval_dataset", "tools", "rollout_func", "environment_factory")
+        check_set_up(args, reward_funcs, **{name: kwargs.get(name) for name in set_up})  # before any model loads
         super().__init__(model, reward_funcs, args, **kwargs)
+        self.reward_funcs = [
+            function if isinstance(function, nn.Module) else checked_reward_function(function, name)
+            for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)
+        ]
         self.num_task_rewards = len(self.reward_funcs)
         if args.overlong_buffer_len > 0:
             penalty = OverlongPenalty(
@@ -134,8 +139,7 @@ class DAPOTrainer(GRPOTrainer):
             self.reward_func_names = [*self.reward_func_names, OVERLONG_REWARD_NAME]
             self.reward_processing_classes = [*self.reward_processing_classes, None]
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])
-        self._check_datasets()
-        self.filter_column = self._resolve_filter_column(args.dynamic_sampling_metric)
+        self.filter_column = filter_column(args.dynamic_sampling_metric, self.reward_func_names)
         self.sampling_buffer = DynamicSamplingBuffer(
             num_generations=self.num_generations,
             pad_token_id=self._tokenizer.pad_token_id,
@@ -185,66 +189,12 @@ class DAPOTrainer(GRPOTrainer):
             logger.log(level, "Training passes are padded%s: %s.", cap, reason)
         return False
 
-    def _check_datasets(self) -> None:
-        """Fail at construction, not at the first step: prompts must be there, and enough for one generation batch
-        (the sampler yields whole generation batches only, so a smaller set would train 0 steps)."""
-        named = {"train_dataset": self.train_dataset}
-        if isinstance(self.eval_dataset, dict):
-            named.update({f"eval_dataset[{key!r}]": value for key, value in self.eval_dataset.items()})
-        elif self.eval_dataset is not None:
-            named["eval_dataset"] = self.eval_dataset
-        if self.environment_factories is None:  # an environment supplies the prompts otherwise
-            for name, dataset in named.items():
-                columns = _column_names(dataset)
-                if columns is not None and "prompt" not in columns:
-                    raise ValueError(
-                        f"{name} has no 'prompt' column (columns: {columns}); DAPOTrainer, like GRPOTrainer, reads "
-                        "each prompt from it: rename the column holding the prompts to 'prompt'."
-                    )
-        if self.train_dataset is None:
-            return
-        args, dataset = self.args, self.train_dataset
-        needed = args.generation_batch_size // self.num_generations
-        size = len(dataset) if hasattr(dataset, "__len__") else sum(1 for _ in itertools.islice(dataset, needed))
-        if size < needed:
-            raise ValueError(
-                f"train_dataset has {size} prompts, fewer than one generation batch takes: {needed} prompts = "
-                f"generation_batch_size ({args.generation_batch_size} completions = per_device_train_batch_size "
-                f"{args.per_device_train_batch_size} x {self.accelerator.num_processes} processes x "
-                f"steps_per_generation {args.steps_per_generation}) / num_generations ({self.num_generations}). The "
-                "sampler yields whole generation batches only, so training would run 0 steps: use more prompts, or "
-                "lower per_device_train_batch_size, steps_per_generation or the number of processes."
-            )
-
     def _check_stream_set_up(self) -> None:
-        """Stream mode scores groups on the host while the paged engine decodes: say what is missing."""
+        """Stream mode scores groups on the host while the paged engine decodes: say what is missing now that the
+        model and every reward function (an environment's too) are known."""
         if not isinstance(self.rollout_engine, PagedRolloutEngine):
-            raise ValueError(
-                "DAPOConfig.dynamic_sampling_mode='stream' refills the decode slots of trl-dapo's paged engine, which "
-                f"this trainer does not generate with (rollout_engine={self.args.rollout_engine!r}: on this set-up "
-                "TRL's path generates, see the log for why). Set rollout_engine='paged' (its CPU path works for "
-                "tests), or dynamic_sampling_mode='rounds'."
-            )
-        for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True):
-            if isinstance(function, nn.Module) or is_async_callable(function):
-                raise ValueError(
-                    f"reward_funcs: {name!r} is a reward model or an async function; dynamic_sampling_mode='stream' "
-                    "scores each group on its own rank as it ends and supports plain callables only: use "
-                    "dynamic_sampling_mode='rounds', or wrap it in a plain function."
-                )
-
-    def _resolve_filter_column(self, metric: str | None) -> int | None:
-        """Column of the per-function rewards the filter reads; `None` means the weighted total."""
-        if metric is None:
-            return 0
-        if metric == "reward":
-            return None
-        if metric not in self.reward_func_names:
-            raise ValueError(
-                f"DAPOConfig.dynamic_sampling_metric={metric!r} names no reward function; use one of "
-                f"{self.reward_func_names} or 'reward' for the weighted total."
-            )
-        return self.reward_func_names.index(metric)
+            raise stream_without_engine(self.args, "on this set-up TRL's path generates, see the log for why")
+        check_stream_reward_functions(self.reward_funcs, self.reward_func_names)
 
     # ----------------------------------------------------------------------------------------------- generation
 
@@ -330,7 +280,7 @@ class DAPOTrainer(GRPOTrainer):
                     generate_round,
                     step=self.state.global_step,
                     group_multiple=group_multiple,
-                    dataset_prompts=self.prompt_stream.num_prompts,
+                    dataset_prompts=lambda: self.prompt_stream.num_prompts,
                     report=progress,
                 )
             busy, pool, prefill = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").tolist()
@@ -413,6 +363,7 @@ class DAPOTrainer(GRPOTrainer):
             surplus_tokens=int(totals[9]),  # the carried groups' tokens of this batch, kept for the next
             prefill_tokens=int(totals[11]),
         )  # fmt: skip
+        dataset_prompts = self.prompt_stream.num_prompts  # a stream's size may have become known while it ran
         if not args.max_num_gen_batches and dataset_prompts is not None and not stats.qualified_groups:
             raise DynamicSamplingLimitError(self.sampling_buffer._full_pass_message(stats, dataset_prompts))
         kept = [group for rank_share in everyone for group in rank_share["kept"]]
@@ -982,15 +933,6 @@ def _forward_inputs(rows: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, int
 def _to_host(group: StreamedGroup) -> StreamedGroup:
     """A kept group with its tensors on the CPU, to be gathered to every rank."""
     return dataclasses.replace(group, logprobs=group.logprobs.cpu(), rewards=group.rewards.cpu())
-
-
-def _column_names(dataset) -> list[str] | None:
-    """A dataset's columns, from its features or (a stream without known features) its first row."""
-    names = getattr(dataset, "column_names", None)
-    if names is None and isinstance(dataset, IterableDataset):
-        first = next(iter(dataset), None)
-        names = list(first) if isinstance(first, dict) else None
-    return None if names is None else list(names)
 
 
 class _RoundProgress:

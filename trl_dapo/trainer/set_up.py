@@ -1,0 +1,172 @@
+"""Checks of a DAPOTrainer set-up that need no model: the config, the reward functions (and their names) and the
+datasets.
+
+`DAPOTrainer.__init__` runs `check_set_up` before TRL loads any model, and a script that builds or warm-starts its
+model itself (the math recipe) calls it before doing so: a typo costs seconds, not a model load. The same functions
+run again where the trainer resolves what they check, with what only the built trainer knows (reward functions an
+environment adds, the model's support by the rollout engine).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from datasets import IterableDataset
+from torch import nn
+from trl.trainer.utils import get_callable_name, get_config_model_id, is_async_callable
+
+from ..rewards.overlong import OVERLONG_REWARD_NAME
+from ..rollout import unusable_engine, why_settings_rule_out_engine
+from .config import DAPOConfig
+
+
+def reward_function_names(reward_funcs: Any, args: DAPOConfig) -> list[str]:
+    """The names TRL gives `reward_funcs` (a hub id or path, a model, a callable, or a list of them), then DAPO's
+    overlong penalty when it is on."""
+    names = [_reward_name(function) for function in _as_list(reward_funcs)]
+    return [*names, OVERLONG_REWARD_NAME] if args.overlong_buffer_len > 0 else names
+
+
+def filter_column(metric: str | None, names: Sequence[str]) -> int | None:
+    """The reward column dynamic sampling filters on: `metric` names one of `names` (None: the first, task
+    accuracy), or is `"reward"` for the weighted total (None is returned)."""
+    if metric is None:
+        return 0
+    if metric == "reward":
+        return None
+    if metric not in names:
+        raise ValueError(
+            f"DAPOConfig.dynamic_sampling_metric={metric!r} names no reward function; use one of {list(names)} or "
+            "'reward' for the weighted total."
+        )
+    return list(names).index(metric)
+
+
+def check_stream_reward_functions(reward_funcs: Any, names: Sequence[str]) -> None:
+    """Stream mode scores each group on its own rank as it ends: plain callables only (a hub id is a reward model)."""
+    for function, name in zip(_as_list(reward_funcs), names, strict=False):
+        if isinstance(function, str | nn.Module) or is_async_callable(function):
+            raise ValueError(
+                f"reward_funcs: {name!r} is a reward model or an async function; dynamic_sampling_mode='stream' "
+                "scores each group on its own rank as it ends and supports plain callables only: use "
+                "dynamic_sampling_mode='rounds', or wrap it in a plain function."
+            )
+
+
+def stream_without_engine(args: DAPOConfig, reason: str) -> ValueError:
+    """Stream mode on a set-up where the paged engine does not generate, and why."""
+    return ValueError(
+        "DAPOConfig.dynamic_sampling_mode='stream' refills the decode slots of trl-dapo's paged engine, which this "
+        f"trainer would not generate with (rollout_engine={args.rollout_engine!r}: {reason}). Set "
+        "rollout_engine='paged' (its CPU path works for tests), or dynamic_sampling_mode='rounds'."
+    )
+
+
+def check_datasets(
+    args: DAPOConfig, train_dataset: Any, eval_dataset: Any, processes: int, prompts_from_environment: bool
+) -> None:
+    """Prompts must be there, enough for one generation batch (the sampler yields whole generation batches only, so
+    a smaller set would train 0 steps), and an evaluation set must not be empty (it would evaluate on 0 samples)."""
+    named = {"train_dataset": train_dataset} if train_dataset is not None else {}
+    evaluated = eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]
+    for key, dataset in evaluated:
+        if dataset is None:
+            continue
+        name = "eval_dataset" if key is None else f"eval_dataset[{key!r}]"
+        if _is_empty(dataset):
+            raise ValueError(
+                f"{name} is empty: evaluation would run on 0 prompts. Pass prompts to evaluate on, or leave it out "
+                "(eval_dataset=None, eval_strategy='no')."
+            )
+        named[name] = dataset
+    if not prompts_from_environment:  # an environment supplies the prompts otherwise
+        for name, dataset in named.items():
+            columns = _column_names(dataset)
+            if columns is not None and "prompt" not in columns:
+                raise ValueError(
+                    f"{name} has no 'prompt' column (columns: {columns}); DAPOTrainer, like GRPOTrainer, reads "
+                    "each prompt from it: rename the column holding the prompts to 'prompt'."
+                )
+    if train_dataset is None:
+        return
+    needed = args.generation_batch_size // args.num_generations
+    if hasattr(train_dataset, "__len__"):
+        size = len(train_dataset)
+    else:
+        size = sum(1 for _ in itertools.islice(train_dataset, needed))
+    if size < needed:
+        raise ValueError(
+            f"train_dataset has {size} prompts, fewer than one generation batch takes: {needed} prompts = "
+            f"generation_batch_size ({args.generation_batch_size} completions = per_device_train_batch_size "
+            f"{args.per_device_train_batch_size} x {processes} processes x steps_per_generation "
+            f"{args.steps_per_generation}) / num_generations ({args.num_generations}). The sampler yields whole "
+            "generation batches only, so training would run 0 steps: use more prompts, or lower "
+            "per_device_train_batch_size, steps_per_generation or the number of processes."
+        )
+
+
+def check_set_up(
+    args: DAPOConfig,
+    reward_funcs: Any,
+    train_dataset: Any = None,
+    eval_dataset: Any = None,
+    tools: list[Callable] | None = None,
+    rollout_func: Callable | None = None,
+    environment_factory: Any = None,
+) -> None:
+    """Everything the config, the reward functions and the datasets decide, checked before any model is loaded;
+    `DAPOTrainer`'s arguments of the same names. Raises a `ValueError` naming the field (or function) and the fix."""
+    names = reward_function_names(reward_funcs, args)
+    functions = len(_as_list(reward_funcs))
+    if args.reward_weights is not None and len(args.reward_weights) != functions:
+        raise ValueError(
+            f"DAPOConfig.reward_weights={args.reward_weights} has {len(args.reward_weights)} weights for {functions} "
+            f"reward functions ({names[:functions]}): give one weight per reward function (the overlong penalty "
+            "weighs 1 and takes none)."
+        )
+    if environment_factory is None:  # an environment may add reward functions, named once it is built
+        filter_column(args.dynamic_sampling_metric, names)
+    if args.rollout_engine == "paged":
+        reason = why_settings_rule_out_engine(args, rollout_func, tools)
+        if reason is not None:
+            raise unusable_engine(args.rollout_engine, reason)
+    if args.dynamic_sampling_mode == "stream":
+        if args.rollout_engine == "auto" and args.device.type != "cuda":
+            raise stream_without_engine(args, "without a CUDA device TRL's path generates")
+        reason = why_settings_rule_out_engine(args, rollout_func, tools)
+        if reason is not None:
+            raise stream_without_engine(args, reason)
+        check_stream_reward_functions(reward_funcs, names)
+    check_datasets(args, train_dataset, eval_dataset, args.world_size, environment_factory is not None)
+
+
+def _as_list(reward_funcs: Any) -> list:
+    if reward_funcs is None:
+        return []
+    return list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
+
+
+def _reward_name(function: Any) -> str:
+    """As TRL names it: a reward model by its model id's last part, a callable by its name."""
+    if isinstance(function, str):
+        return function.split("/")[-1]
+    if isinstance(function, nn.Module):
+        return get_config_model_id(function.config).split("/")[-1]
+    return get_callable_name(function)
+
+
+def _is_empty(dataset: Any) -> bool:
+    if hasattr(dataset, "__len__"):
+        return len(dataset) == 0
+    return next(iter(dataset), None) is None
+
+
+def _column_names(dataset: Any) -> list[str] | None:
+    """A dataset's columns, from its features or (a stream without known features) its first row."""
+    names = getattr(dataset, "column_names", None)
+    if names is None and isinstance(dataset, IterableDataset):
+        first = next(iter(dataset), None)
+        names = list(first) if isinstance(first, dict) else None
+    return None if names is None else list(names)
