@@ -2,14 +2,18 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch; pinned first so no later install pulls a CUDA build.
-TORCH ?= torch==2.13.0
+# The CPU build of torch, from PyTorch's CPU index (PyPI's Linux wheel is a CUDA build of several GB; where pip finds
+# the wheel on disk it takes that copy), installed first so no later install pulls a CUDA build. A CUDA build:
+# `make TORCH=torch==2.13.0 TORCH_INDEX=` (PyPI's), or TORCH_INDEX=https://download.pytorch.org/whl/cu130.
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install install-deepspeed demo test lint format
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --no-deps --retries 1 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
