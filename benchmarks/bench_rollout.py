@@ -43,7 +43,7 @@ from benchmarks.workload import (
     token_prompts,
     with_lora,
 )
-from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
+from trl_dapo.rollout import PagedRolloutEngine, TokenSampling
 
 ENGINES = ("paged", "hf")  # in the default run order (--engines)
 # HF generate is far too slow for the long shapes.
@@ -98,7 +98,7 @@ def parse_shape(text: str) -> Shape:
 def hf_generate(model, dtype, cuda: bool, args):
     """TRL's path: `model.generate`, sampling with the model's own cache."""
 
-    def generate(prompt_ids: list[list[int]], settings: SamplingSettings):
+    def generate(prompt_ids: list[list[int]], settings: TokenSampling):
         ids = torch.tensor(prompt_ids, device=model.device)
         out = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=settings.temperature,
@@ -119,7 +119,7 @@ def paged_generate(model, dtype, cuda: bool, args):
     )  # fmt: skip
     engine.sync_weights(model)
 
-    def generate(prompt_ids: list[list[int]], settings: SamplingSettings):
+    def generate(prompt_ids: list[list[int]], settings: TokenSampling):
         out = engine.generate(prompt_ids, settings)
         return out.completions, out.stats
 
@@ -138,7 +138,7 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def warmup_calls(engine: str, prompt_ids, settings: SamplingSettings, args) -> list[tuple]:
+def warmup_calls(engine: str, prompt_ids, settings: TokenSampling, args) -> list[tuple]:
     """The calls that compile and capture before the measured one. The paged engine compiles once per process but its
     Triton kernels have a variant per slot bucket (the split count) and its graphs are captured per bucket and
     settings: one short call per bucket up to `--warmup-rows` (the shape's prompts repeated, its settings but at most
@@ -211,7 +211,7 @@ def run_engine(engine: str, model, shapes: list[Shape], setup: dict, args, recor
     cuda, failures, reusable = setup["device"] == "cuda", 0, None
     for shape in shapes:
         prompt_ids = token_prompts(shape.rows, shape.prompt_tokens, model.config.vocab_size)
-        sampling = SamplingSettings(
+        sampling = TokenSampling(
             shape.new_tokens, temperature=1.0, min_new_tokens=shape.new_tokens if shape.fixed else 0
         )
         entry = {**record, "shape": shape.name, "engine": engine, "rows": shape.rows, "new_tokens": shape.new_tokens,

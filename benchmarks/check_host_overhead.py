@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.timing import synchronize
 from benchmarks.workload import HERE, config_path, random_model
-from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
+from trl_dapo.rollout import PagedRolloutEngine, TokenSampling
 
 
 def launch_us(device: str, launches: int = 20_000) -> float:
@@ -78,7 +78,7 @@ def main() -> None:
     model.train()
     ids = torch.randint(3, 1000, (args.rows, args.tokens), device=device)
     prompts = [list(range(3, 43))] * args.generate_rows
-    settings = SamplingSettings(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+    settings = TokenSampling(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
     rows = []
 
     def measure(label: str) -> None:

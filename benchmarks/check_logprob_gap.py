@@ -49,7 +49,7 @@ from trl.trainer.utils import add_fused_lm_head
 from benchmarks.result_file import ResultFile, default_output, finish
 from benchmarks.timing import timed_call
 from benchmarks.workload import EOS_TOKEN_ID, PAD_TOKEN_ID, config_path, random_model, token_prompts, with_lora
-from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
+from trl_dapo.rollout import PagedRolloutEngine, TokenSampling
 
 DEFAULT_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b:lora16"]
 TINY_MODELS = ["tiny", "tiny:lora4"]
@@ -224,7 +224,7 @@ def measure(spec: str, args, device: str, dtype: torch.dtype, out: dict, save) -
     vocab = model.config.vocab_size
     prompts = token_prompts(args.rows, args.prompt_tokens, vocab, group=8)
     common = dict(eos_token_ids=[EOS_TOKEN_ID], pad_token_id=PAD_TOKEN_ID, dtype=dtype)
-    settings = SamplingSettings(args.new_tokens, temperature=1.0)
+    settings = TokenSampling(args.new_tokens, temperature=1.0)
     engine = PagedRolloutEngine(model, cuda_graph=device == "cuda", **common)
     variants = {
         "bf16_logits": (settings, contextlib.nullcontext),

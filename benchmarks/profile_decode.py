@@ -36,10 +36,10 @@ from benchmarks.bench_rollout import build_model, release_memory
 from benchmarks.result_file import ResultFile, default_output, finish
 from benchmarks.timing import copy_bandwidth, timed_call
 from benchmarks.workload import EOS_TOKEN_ID, PAD_TOKEN_ID, token_prompts
-from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
+from trl_dapo.rollout import PagedRolloutEngine, TokenSampling
 from trl_dapo.rollout.paged_attention import num_splits, reference_decode_attention, triton_decode_attention
 from trl_dapo.rollout.paged_engine import slot_bucket
-from trl_dapo.rollout.sampling import sampling_noise
+from trl_dapo.rollout.token_sampling import sampling_noise
 
 PROFILED_TOKENS = 64  # at most, per row, in the profiled calls
 TOP_KERNELS = 30
@@ -201,7 +201,7 @@ def profile_model(name: str, lora: bool, rows: int, new_tokens: int, args, setup
     )  # fmt: skip
     engine.sync_weights(model)
     prompts = token_prompts(rows, 32, model.config.vocab_size)
-    pinned = SamplingSettings(new_tokens, temperature=1.0, min_new_tokens=new_tokens)
+    pinned = TokenSampling(new_tokens, temperature=1.0, min_new_tokens=new_tokens)
     # the measured calls' settings, fewer tokens: what the engine compiles for (all but the length) is the same
     short = dataclasses.replace(pinned, max_new_tokens=min(PROFILED_TOKENS, new_tokens))
     entry: dict = {"rows": rows, "new_tokens": new_tokens, "profiled_tokens": short.max_new_tokens}

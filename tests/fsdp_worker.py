@@ -23,13 +23,13 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from trl_dapo.rollout import PagedRolloutEngine, SamplingSettings
+from trl_dapo.rollout import PagedRolloutEngine, TokenSampling
 from trl_dapo.rollout.sharded import FullyShardGather
 from trl_dapo.trainer.packed_attention import enable_packed_attention, forward_packed
 from trl_dapo.trainer.packing import pack_rows, unpack_scores
 
 PROMPTS = [[5 + (7 * row + 3 * column) % 300 for column in range(3 + row)] for row in range(6)]  # uneven lengths
-SETTINGS = {"greedy": SamplingSettings(10, greedy=True), "sampled": SamplingSettings(10, temperature=0.9, top_k=50)}
+SETTINGS = {"greedy": TokenSampling(10, greedy=True), "sampled": TokenSampling(10, temperature=0.9, top_k=50)}
 
 
 def engine(model, **options) -> PagedRolloutEngine:

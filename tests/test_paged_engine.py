@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Mistr
 
 from helpers import arithmetic_prompts, dapo_args, first_token_parity
 from trl_dapo import DAPOTrainer
-from trl_dapo.rollout import SamplingSettings, select_rollout_engine
+from trl_dapo.rollout import TokenSampling, select_rollout_engine
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
 from trl_dapo.rollout.weights import SUPPORTED_MODEL_TYPES
 from trl_dapo.testing import build_tiny_model
@@ -70,7 +70,7 @@ def greedy_reference(model, tokenizer, prompt, new_tokens):
 def test_greedy_tokens_equal_generate(model_and_tokenizer, options):
     model, tokenizer = model_and_tokenizer
     batch = prompts(tokenizer) * 2
-    out = engine_for(model, tokenizer, **options).generate(batch, SamplingSettings(max_new_tokens=16, greedy=True))
+    out = engine_for(model, tokenizer, **options).generate(batch, TokenSampling(max_new_tokens=16, greedy=True))
     for prompt, completion in zip(batch, out.completions, strict=True):
         assert completion == greedy_reference(model, tokenizer, prompt, 16)
     if "max_cache_tokens" in options:
@@ -88,7 +88,7 @@ def test_a_stream_fed_while_it_decodes_gives_generates_rows(model_and_tokenizer,
     table) end with the tokens and logprobs a single greedy `generate` gives them; every row is reported once."""
     model, tokenizer = model_and_tokenizer
     batch = prompts(tokenizer) * 2 + [prompts(tokenizer)[0] * 3]  # the last prompt is longer than any before
-    settings = SamplingSettings(max_new_tokens=16, greedy=True)
+    settings = TokenSampling(max_new_tokens=16, greedy=True)
     engine = engine_for(model, tokenizer, **options)
     expected = engine.generate(batch, settings)
     stream = engine.stream(batch[:2], settings)
@@ -116,9 +116,9 @@ def test_a_stream_fed_while_it_decodes_gives_generates_rows(model_and_tokenizer,
 @pytest.mark.parametrize(
     ("settings", "options"),
     [
-        (SamplingSettings(16, temperature=0.8), {}),
-        (SamplingSettings(16, top_k=20, top_p=0.9), {}),
-        (SamplingSettings(16, temperature=1.2), {"max_cache_tokens": 96, "max_rows": 8}),
+        (TokenSampling(16, temperature=0.8), {}),
+        (TokenSampling(16, top_k=20, top_p=0.9), {}),
+        (TokenSampling(16, temperature=1.2), {"max_cache_tokens": 96, "max_rows": 8}),
     ],
     ids=["tempered", "top-k-top-p", "preempted"],
 )
@@ -139,7 +139,7 @@ def test_rows_of_one_prompt_are_prefilled_once_and_sampled_independently(model_a
     model, tokenizer = model_and_tokenizer
     torch.manual_seed(0)
     batch = [prompt for prompt in prompts(tokenizer, 3) for _ in range(8)]  # groups of 8 samples, as DAPO does
-    out = engine_for(model, tokenizer).generate(batch, SamplingSettings(8))
+    out = engine_for(model, tokenizer).generate(batch, TokenSampling(8))
     assert out.stats.prefill_tokens == sum(len(p) for p in prompts(tokenizer, 3))  # not 8 times that
     for group in range(3):
         samples = out.completions[8 * group : 8 * group + 8]
@@ -170,7 +170,7 @@ def test_sampled_tokens_follow_the_tempered_truncated_distribution(model_and_tok
     prompt = prompts(tokenizer, 1)[0]
     draws = 4000
     out = engine_for(model, tokenizer).generate(
-        [prompt] * draws, SamplingSettings(1, temperature=temperature, top_k=top_k, top_p=top_p)
+        [prompt] * draws, TokenSampling(1, temperature=temperature, top_k=top_k, top_p=top_p)
     )
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
@@ -186,18 +186,18 @@ def test_sampled_tokens_follow_the_tempered_truncated_distribution(model_and_tok
 
 def test_min_new_tokens_and_eos_handling(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    out = engine_for(model, tokenizer).generate(prompts(tokenizer), SamplingSettings(10, min_new_tokens=10))
+    out = engine_for(model, tokenizer).generate(prompts(tokenizer), TokenSampling(10, min_new_tokens=10))
     assert all(len(c) == 10 and tokenizer.eos_token_id not in c for c in out.completions)
     assert out.logprobs.shape == (6, 10) and (out.logprobs < 0).all()
     # the random model rarely ends a row: take its most frequent greedy token as the end of sequence instead, so
     # rows end at different points; each stops right after it, keeping it, as `generate` does
-    greedy = engine_for(model, tokenizer).generate(prompts(tokenizer), SamplingSettings(12, greedy=True))
+    greedy = engine_for(model, tokenizer).generate(prompts(tokenizer), TokenSampling(12, greedy=True))
     stop = torch.tensor([t for c in greedy.completions for t in c]).mode().values.item()
     engine = PagedRolloutEngine(
         model, eos_token_ids=[stop], pad_token_id=tokenizer.pad_token_id, dtype=torch.float32, cuda_graph=False,
         page_size=4, sync_every=5,
     )  # fmt: skip
-    out = engine.generate(prompts(tokenizer), SamplingSettings(12, greedy=True))
+    out = engine.generate(prompts(tokenizer), TokenSampling(12, greedy=True))
     for prompt, completion in zip(prompts(tokenizer), out.completions, strict=True):
         reference = model.generate(
             torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
@@ -231,14 +231,14 @@ def test_any_number_of_stop_ids_ends_rows_as_generate_does(model_and_tokenizer):
     ids does, sampled rows too, and with `min_new_tokens` no stop id is sampled before."""
     model, tokenizer = model_and_tokenizer
     batch = prompts(tokenizer)
-    free = engine_for(model, tokenizer).generate(batch, SamplingSettings(12, greedy=True))
+    free = engine_for(model, tokenizer).generate(batch, TokenSampling(12, greedy=True))
     stops = stop_ids_for(free.completions, len(tokenizer))
     engine = PagedRolloutEngine(
         model, eos_token_ids=stops, pad_token_id=tokenizer.pad_token_id, dtype=torch.float32, cuda_graph=False,
         page_size=4, sync_every=5,
     )  # fmt: skip
     assert engine.stop_table.nonzero().flatten().tolist() == sorted(stops)
-    out = engine.generate(batch, SamplingSettings(12, greedy=True))
+    out = engine.generate(batch, TokenSampling(12, greedy=True))
     for prompt, completion in zip(batch, out.completions, strict=True):
         reference = model.generate(
             torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
@@ -248,8 +248,8 @@ def test_any_number_of_stop_ids_ends_rows_as_generate_does(model_and_tokenizer):
         assert completion == (reference[: ends[0] + 1] if ends else reference)
     assert len({len(completion) for completion in out.completions}) > 1 and out.completions[-1] == free.completions[-1]
     torch.manual_seed(0)
-    assert_rows_stop_at_their_first_stop_id(engine.generate(batch * 4, SamplingSettings(12)).completions, stops, 12)
-    held = engine.generate(batch, SamplingSettings(8, min_new_tokens=8))
+    assert_rows_stop_at_their_first_stop_id(engine.generate(batch * 4, TokenSampling(12)).completions, stops, 12)
+    held = engine.generate(batch, TokenSampling(8, min_new_tokens=8))
     assert all(len(c) == 8 and not set(c) & set(stops) for c in held.completions)
 
 
@@ -272,10 +272,10 @@ def test_the_cuda_graph_decode_step_captures_with_256_stop_ids(tiny_model):
     for options in ({"compile_decode": False}, {}):  # graphs of eager kernels, and of the compiled ones (the default)
         captured = engine(stops, cuda_graph=True, **options)
         torch.manual_seed(0)
-        out = captured.generate(batch, SamplingSettings(24))
+        out = captured.generate(batch, TokenSampling(24))
         assert_rows_stop_at_their_first_stop_id(out.completions, stops, 24)
         assert out.stats.decode_steps > 0
-        held = captured.generate(batch, SamplingSettings(8, min_new_tokens=8))
+        held = captured.generate(batch, TokenSampling(8, min_new_tokens=8))
         assert all(len(c) == 8 and not set(c) & set(stops) for c in held.completions)
 
 
@@ -286,7 +286,7 @@ def test_lora_adapters_are_merged_into_the_snapshot(model_and_tokenizer, tiny_mo
         base, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
     ).eval()
     batch = prompts(tokenizer, 3)
-    out = engine_for(peft_model, tokenizer).generate(batch, SamplingSettings(8))
+    out = engine_for(peft_model, tokenizer).generate(batch, TokenSampling(8))
     for prompt, completion, logps in zip(batch, out.completions, trimmed(out.logprobs, out.completions), strict=True):
         torch.testing.assert_close(
             logps, teacher_forced_logprobs(peft_model, prompt, completion), atol=1e-4, rtol=1e-4
@@ -304,7 +304,7 @@ def test_weight_sync_reaches_the_next_generation(model_and_tokenizer, tiny_model
     engine.sync_weights(model)
     assert all(engine.snapshot.tensors[name] is tensor for name, tensor in tensors.items())  # same tensors
     batch = prompts(tokenizer, 2)
-    out = engine.generate(batch, SamplingSettings(6))
+    out = engine.generate(batch, TokenSampling(6))
     for prompt, completion, logps in zip(batch, out.completions, trimmed(out.logprobs, out.completions), strict=True):
         torch.testing.assert_close(logps, teacher_forced_logprobs(model, prompt, completion), atol=1e-4, rtol=1e-4)
 
@@ -318,7 +318,7 @@ def test_a_partial_rollout_resumes_under_new_weights_keeping_its_old_logprobs(ti
     old = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     engine = engine_for(model, tokenizer)
     batch = prompts(tokenizer, 3)
-    settings = SamplingSettings(max_new_tokens=16)
+    settings = TokenSampling(max_new_tokens=16)
     torch.manual_seed(0)
     first = engine.stream(batch, settings)
     assert first.step() == []  # 1 sampled by the prefill + 5 decode steps: every row is 6 tokens in
@@ -353,7 +353,7 @@ def test_compiled_layer_and_head_match_the_eager_ones_and_compile_once(model_and
     from torch._dynamo.utils import counters
 
     model, tokenizer = model_and_tokenizer
-    settings = SamplingSettings(12, greedy=True)
+    settings = TokenSampling(12, greedy=True)
     compiled, eager = engine_for(model, tokenizer, compile_decode=True), engine_for(model, tokenizer)
     compiles = []
     for rows in (6, 15, 11):
@@ -383,7 +383,7 @@ def test_engines_of_other_models_compile_for_their_own_sizes(model_and_tokenizer
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
         )  # fmt: skip
         model = AutoModelForCausalLM.from_config(config).eval()
-        out = engine_for(model, tokenizer, compile_decode=True).generate(batch, SamplingSettings(4, greedy=True))
+        out = engine_for(model, tokenizer, compile_decode=True).generate(batch, TokenSampling(4, greedy=True))
         for prompt, completion in zip(batch, out.completions, strict=True):
             assert completion == greedy_reference(model, tokenizer, prompt, 4)
         graphs.append(counters["stats"]["unique_graphs"])
@@ -398,7 +398,7 @@ def test_the_compiled_sampling_head_returns_the_sampled_tokens_logprobs(model_an
     teacher-forced forward's."""
     model, tokenizer = model_and_tokenizer
     torch.manual_seed(0)
-    batch, settings = prompts(tokenizer), SamplingSettings(12, temperature=0.8, top_k=20)
+    batch, settings = prompts(tokenizer), TokenSampling(12, temperature=0.8, top_k=20)
     out = engine_for(model, tokenizer, compile_decode=True).generate(batch, settings)
     assert any(len(c) > 3 for c in out.completions)
     for prompt, completion, logps in zip(batch, out.completions, trimmed(out.logprobs, out.completions), strict=True):
@@ -409,7 +409,7 @@ def test_the_compiled_sampling_head_returns_the_sampled_tokens_logprobs(model_an
 def test_a_cache_too_small_for_one_row_is_a_clear_error(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     with pytest.raises(ValueError, match=r"cannot hold one row of up to \d+ prompt \+ 64 new tokens"):
-        engine_for(model, tokenizer, max_cache_tokens=32).generate(prompts(tokenizer), SamplingSettings(64))
+        engine_for(model, tokenizer, max_cache_tokens=32).generate(prompts(tokenizer), TokenSampling(64))
 
 
 @pytest.mark.skipif(
@@ -524,10 +524,10 @@ def test_every_supported_model_type_generates_what_generate_does(model_and_token
     model = AutoModelForCausalLM.from_config(config).eval()
     assert model.config.model_type in SUPPORTED_MODEL_TYPES and not model.config.tie_word_embeddings
     batch = prompts(tokenizer)
-    greedy = engine_for(model, tokenizer).generate(batch, SamplingSettings(max_new_tokens=12, greedy=True))
+    greedy = engine_for(model, tokenizer).generate(batch, TokenSampling(max_new_tokens=12, greedy=True))
     for prompt, completion in zip(batch, greedy.completions, strict=True):
         assert completion == greedy_reference(model, tokenizer, prompt, 12)
-    sampled = engine_for(model, tokenizer).generate(batch, SamplingSettings(12, temperature=0.8, top_k=20))
+    sampled = engine_for(model, tokenizer).generate(batch, TokenSampling(12, temperature=0.8, top_k=20))
     logprobs = trimmed(sampled.logprobs, sampled.completions)
     for prompt, completion, logps in zip(batch, sampled.completions, logprobs, strict=True):
         expected = teacher_forced_logprobs(model, prompt, completion, temperature=0.8)

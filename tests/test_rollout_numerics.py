@@ -10,8 +10,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from helpers import dapo_args
-from trl_dapo.rollout import SamplingSettings, sampling_settings
-from trl_dapo.rollout.sampling import chunked_argmax, chunked_logsumexp, pick_tokens, stop_table, truncate
+from trl_dapo.rollout import TokenSampling, token_sampling
+from trl_dapo.rollout.token_sampling import chunked_argmax, chunked_logsumexp, pick_tokens, stop_table, truncate
 from trl_dapo.rollout.weights import linear_weight
 
 
@@ -26,12 +26,12 @@ def test_fp32_logits_are_the_unrounded_products_and_follow_the_training_head(tmp
     stops, none = stop_table([2], 512, "cpu"), torch.zeros(())
     errors = {}
     for fp32 in (False, True):
-        settings = SamplingSettings(1, greedy=True, fp32_logits=fp32)
+        settings = TokenSampling(1, greedy=True, fp32_logits=fp32)
         token, logprob = pick_tokens(hidden, lm_head, None, settings, stops, none)
         errors[fp32] = (logprob.double() - exact.gather(1, token[:, None]).squeeze(1)).abs().max().item()
     assert errors[True] < 1e-5 < 1e-3 < errors[False] < 2**-4
     for cast in (False, True):
-        assert sampling_settings(dapo_args(tmp_path, cast_lm_head_to_fp32=cast)).fp32_logits is cast
+        assert token_sampling(dapo_args(tmp_path, cast_lm_head_to_fp32=cast)).fp32_logits is cast
 
 
 def test_lora_is_merged_in_float32_and_rounded_once(tiny_model):
@@ -70,7 +70,7 @@ def test_the_head_picks_the_gumbel_max_token_and_its_tempered_logprob(top_k, top
     generator = torch.Generator().manual_seed(1)
     hidden, lm_head = torch.randn(16, 32, generator=generator), torch.randn(2048, 32, generator=generator)
     noise = torch.rand(16, 2048, generator=generator)
-    settings = SamplingSettings(4, temperature=0.7, top_k=top_k, top_p=top_p)
+    settings = TokenSampling(4, temperature=0.7, top_k=top_k, top_p=top_p)
     token, logprob = pick_tokens(hidden, lm_head, noise, settings, stop_table([2], 2048, "cpu"), torch.zeros(()))
     logits = (hidden @ lm_head.T) / 0.7
     candidates = truncate(logits, settings) if top_k else logits
@@ -86,7 +86,7 @@ def test_the_compiled_head_serves_models_of_other_vocabularies():
     """Engines of models with different vocabularies share the head's compiled code, so the second vocabulary size
     makes it symbolic: the compiled head must still give the eager head's tokens and logprobs."""
     compiled = torch.compile(pick_tokens, fullgraph=True)
-    settings = SamplingSettings(4, temperature=0.7, min_new_tokens=2)
+    settings = TokenSampling(4, temperature=0.7, min_new_tokens=2)
     generated = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
     for vocab in (2048, 1536, 5100):
         generator = torch.Generator().manual_seed(vocab)

@@ -7,8 +7,8 @@ import logging
 import torch
 
 from .paged_engine import GenerationOutput, PagedRolloutEngine, RolloutStats, RolloutStream
-from .sampling import SamplingSettings
 from .sharded import is_zero3, parameter_gather
+from .token_sampling import TokenSampling
 from .weights import SUPPORTED_MODEL_TYPES, sliding_window
 
 logger = logging.getLogger(__name__)
@@ -17,11 +17,11 @@ logger = logging.getLogger(__name__)
 SUPPORTED_GENERATION_KWARGS = {"min_new_tokens", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k"}
 
 
-def sampling_settings(args) -> SamplingSettings:
+def token_sampling(args) -> TokenSampling:
     """The engine's sampling settings from a `DAPOConfig`; the head's logits take the precision the training forward's
     do (`cast_lm_head_to_fp32`), so the two compute the same logprobs up to the layers' rounding."""
     kwargs = args.generation_kwargs or {}
-    return SamplingSettings(
+    return TokenSampling(
         max_new_tokens=kwargs.get("max_new_tokens", args.max_completion_length),
         temperature=kwargs.get("temperature", args.temperature),
         top_p=kwargs.get("top_p", args.top_p) or 1.0,
@@ -111,9 +111,9 @@ __all__ = [
     "PagedRolloutEngine",
     "RolloutStats",
     "RolloutStream",
-    "SamplingSettings",
-    "sampling_settings",
+    "TokenSampling",
     "select_rollout_engine",
+    "token_sampling",
     "unusable_engine",
     "why_settings_rule_out_engine",
 ]

@@ -40,8 +40,8 @@ from .paged_attention import (
     triton,
     triton_decode_attention,
 )
-from .sampling import SamplingSettings, pick_tokens, sampling_noise, stop_table
 from .scheduler import Prefix, Scheduler
+from .token_sampling import TokenSampling, pick_tokens, sampling_noise, stop_table
 from .weights import WeightSnapshot, gather_nothing
 
 logger = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ class PagedRolloutEngine:
     # ---------------------------------------------------------------------------------------------- generate
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], settings: SamplingSettings) -> GenerationOutput:
+    def generate(self, prompt_ids: list[list[int]], settings: TokenSampling) -> GenerationOutput:
         if not prompt_ids or any(len(prompt) == 0 for prompt in prompt_ids):
             raise ValueError("generate needs at least one prompt, and no prompt may be empty.")
         if settings.max_new_tokens < 1:
@@ -245,7 +245,7 @@ class PagedRolloutEngine:
     def stream(
         self,
         prompt_ids: list[list[int]],
-        settings: SamplingSettings,
+        settings: TokenSampling,
         resumed: list[tuple[list[int], torch.Tensor]] | None = None,
     ) -> RolloutStream:
         """A generation call that takes more prompts while it decodes (streaming dynamic sampling), starting with
@@ -354,7 +354,7 @@ class _Generation:
         self,
         engine: PagedRolloutEngine,
         prompt_ids: list[list[int]],
-        settings: SamplingSettings,
+        settings: TokenSampling,
         capacity: int | None = None,
         num_pages: int | None = None,
     ) -> None:
@@ -659,7 +659,7 @@ class RolloutStream:
         self,
         engine: PagedRolloutEngine,
         prompt_ids: list[list[int]],
-        settings: SamplingSettings,
+        settings: TokenSampling,
         resumed: list[tuple[list[int], torch.Tensor]] | None = None,
     ) -> None:
         self.engine = engine

@@ -40,7 +40,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from ..integrity import RolloutIntegrityError, check_completions, check_groups, check_rewards, checked_reward_function
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
-from ..rollout import PagedRolloutEngine, sampling_settings, select_rollout_engine
+from ..rollout import PagedRolloutEngine, select_rollout_engine, token_sampling
 from ..sampling import (
     DynamicSamplingBuffer,
     DynamicSamplingLimitError,
@@ -215,7 +215,7 @@ class DAPOTrainer(GRPOTrainer):
         if self._engine_weights_step != self.state.global_step:  # weights change once per optimizer step at most
             self.rollout_engine.sync_weights(self.accelerator.unwrap_model(self.model))
             self._engine_weights_step = self.state.global_step
-        output = self.rollout_engine.generate(prompt_ids, sampling_settings(self.args))
+        output = self.rollout_engine.generate(prompt_ids, token_sampling(self.args))
         # The logprobs stay on the device for `_rollout_logprobs`: as Python lists TRL would rebuild them row by row.
         self._engine_logprobs.put(output.logprobs)
         stats = output.stats
@@ -314,7 +314,7 @@ class DAPOTrainer(GRPOTrainer):
         if self._engine_weights_step != self.state.global_step:
             self.rollout_engine.sync_weights(self.accelerator.unwrap_model(self.model))
             self._engine_weights_step = self.state.global_step
-        settings = sampling_settings(args)
+        settings = token_sampling(args)
         stream = GroupStream(
             start=lambda prompts, resumed: self.rollout_engine.stream(prompts, settings, resumed),
             next_prompt=next_prompt,

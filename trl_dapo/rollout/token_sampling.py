@@ -1,4 +1,5 @@
-"""The sampling head of a rollout engine: next token and its logprob from the last hidden state.
+"""Token sampling in the rollout engine (not dynamic sampling, `trl_dapo/sampling/`): the sampling head, next token
+and its logprob from the last hidden state.
 
 Sampling is Gumbel-max over `logits / temperature` after top-k / top-p truncation: the same distribution as softmax
 sampling, with no host synchronisation, so it can run inside a CUDA graph. The logprob returned for each sampled
@@ -24,7 +25,7 @@ VOCAB_CHUNKS = 256
 
 
 @dataclass(frozen=True)
-class SamplingSettings:
+class TokenSampling:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -46,7 +47,7 @@ def stop_table(stop_token_ids: list[int], vocab_size: int, device) -> torch.Tens
     return table.to(device)
 
 
-def sampling_noise(rows: int, vocab_size: int, settings: SamplingSettings, device) -> torch.Tensor | None:
+def sampling_noise(rows: int, vocab_size: int, settings: TokenSampling, device) -> torch.Tensor | None:
     """Uniform noise for Gumbel-max, drawn outside compiled code so graph replays advance the generator."""
     return None if settings.greedy else torch.rand(rows, vocab_size, device=device)
 
@@ -55,7 +56,7 @@ def pick_tokens(
     hidden: torch.Tensor,
     lm_head: torch.Tensor,
     noise: torch.Tensor | None,
-    settings: SamplingSettings,
+    settings: TokenSampling,
     stops: torch.Tensor,
     generated: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +125,7 @@ def head_logits(hidden: torch.Tensor, lm_head: torch.Tensor, fp32: bool) -> torc
     return F.linear(hidden.float(), lm_head.float())
 
 
-def truncate(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+def truncate(logits: torch.Tensor, settings: TokenSampling) -> torch.Tensor:
     """Top-k then top-p filtering, without host synchronisation."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
