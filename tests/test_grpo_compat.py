@@ -305,3 +305,29 @@ def test_the_trl_hooks_dapo_relies_on_keep_their_signatures():
     assert overridden <= set(PINNED_SIGNATURES), f"pin the signature of {overridden - set(PINNED_SIGNATURES)}"
     for name, expected in PINNED_SIGNATURES.items():
         assert plain_signature(getattr(GRPOTrainer, name)) == expected, f"GRPOTrainer.{name} changed"
+
+
+def test_trls_round_generates_once_then_scores_once(tmp_path):
+    """What DAPOTrainer's round context relies on in TRL 1.16 (`trainer/round.py`): one call of
+    `_generate_and_score_completions` calls `_generate_single_turn` once, then `_calculate_rewards` once. Recorded on
+    TRL's own trainer."""
+    calls = []
+
+    class Recording(GRPOTrainer):
+        def _generate_single_turn(self, *args, **kwargs):
+            calls.append("generate")
+            return super()._generate_single_turn(*args, **kwargs)
+
+        def _calculate_rewards(self, *args, **kwargs):
+            calls.append("score")
+            return super()._calculate_rewards(*args, **kwargs)
+
+    settings = dict(max_completion_length=4, report_to="none", use_cpu=True, bf16=False, num_generations=4)
+    trainer = Recording(
+        model=build_tiny_model(tmp_path / "model"),
+        reward_funcs=text_length,
+        args=GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=1, **settings),
+        train_dataset=standard_prompts(),
+    )
+    trainer.train()
+    assert calls == ["generate", "score"]

@@ -20,8 +20,8 @@ from trl_dapo.sampling import DynamicSamplingLimitError
 from trl_dapo.sampling.rollout_batch import OLD_LOGPROBS_STEP
 from trl_dapo.testing import ScriptedRollout
 from trl_dapo.trainer.batch_metrics import trained_batch_metric_names
-from trl_dapo.trainer.handoff import HandOff
 from trl_dapo.trainer.micro_batches import MicroBatch
+from trl_dapo.trainer.round import RoundContext, RoundScores
 from trl_dapo.trainer.step_metrics import StepMetrics
 from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE, _RoundProgress
 
@@ -671,15 +671,22 @@ def test_fp16_cannot_skip_a_step_and_says_so(tiny_model, tmp_path):
         trainer._micro_batches(empty)
 
 
-def test_a_hand_off_is_read_once_and_never_stale():
-    slot = HandOff("round scores")
-    with pytest.raises(RuntimeError, match="round scores: no value was produced"):
-        slot.take()
-    assert slot.take_if_any() is None
-    slot.put(1)
-    with pytest.raises(RuntimeError, match="round scores: the value of the previous rollout was never used"):
-        slot.put(2)
-    assert slot.take() == 1 and slot.take_if_any() is None
+def test_a_round_context_takes_one_generation_then_one_scoring():
+    """The order of TRL's hooks within one round is what DAPOTrainer relies on: generation after scoring, or either
+    twice, is an error rather than a stale read."""
+    scores = RoundScores(torch.zeros(2, 1), torch.ones(2), torch.zeros(2, dtype=torch.bool))
+    context = RoundContext()
+    context.record_generation(torch.zeros(2, 3), (4, 5, 6))
+    with pytest.raises(RuntimeError, match="generated twice within one round"):
+        context.record_generation()
+    context.record_scores(scores)
+    with pytest.raises(RuntimeError, match="scored a round twice"):
+        context.record_scores(scores)
+    assert context.engine_counts == (4, 5, 6) and context.scores is scores
+    scored_first = RoundContext()  # a rollout_func generates without the hook: scoring alone is seen
+    scored_first.record_scores(scores)
+    with pytest.raises(RuntimeError, match="or after scoring it"):
+        scored_first.record_generation()
 
 
 def teacher_forced_logprobs(model, batch) -> torch.Tensor:

@@ -25,11 +25,9 @@ import itertools
 import logging
 import math
 import os
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import DistributedType, gather_object
 from torch import nn
 from tqdm.auto import tqdm
@@ -38,7 +36,7 @@ from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
 
-from ..integrity import RolloutIntegrityError, check_completions, check_groups, check_rewards, checked_reward_function
+from ..integrity import RolloutIntegrityError, check_rewards, checked_reward_function
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
 from ..rollout import PagedRolloutEngine, select_rollout_engine, token_sampling
 from ..sampling import (
@@ -49,56 +47,27 @@ from ..sampling import (
     make_prompt_stream,
 )
 from ..sampling.rollout_batch import (
-    LOGPROB_KEYS,
     OLD_LOGPROBS_STEP,
-    PADDED_KEYS,
-    ROW_KEYS,
     RolloutBatch,
     count_loss_tokens,
-    gather_rollout,
     loss_mask,
     num_rows,
-    rollout_logprobs,
 )
 from ..sampling.stream import GroupStream, StreamedGroup
 from .batch_metrics import trained_batch_metric_names, trained_batch_metrics
 from .config import DAPOConfig
-from .handoff import HandOff
 from .loss import active_mean, dapo_policy_loss
 from .micro_batches import MicroBatch, split_generation_batch
 from .mismatch import mismatch_metrics, rollout_correction
 from .packed_attention import enable_packed_attention, forward_packed, why_model_cannot_pack
 from .packing import pack_rows, unpack_scores
+from .round import StreamedRows, TRLRounds, log_device_metrics, round_scores
 from .set_up import check_set_up, check_stream_reward_functions, filter_column, stream_without_engine
 from .step_metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
 
 SAMPLING_STATE_FILE = "dapo_sampling_state.pt"
-# Keys TRL may return that carry nothing DAPO needs once the rollout logprobs are recorded.
-DROPPED_KEYS = ("num_items_in_batch", "sampling_per_token_logps", "importance_sampling_ratio")
-
-
-@dataclass
-class RoundScores:
-    """What `_calculate_rewards` knows of a candidate round and TRL's output drops, for every rank's rows."""
-
-    rewards: torch.Tensor  # (rows, reward functions), NaN where a function does not apply
-    completion_lengths: torch.Tensor  # tokens per completion
-    truncated: torch.Tensor  # cut at max_completion_length: the last token is neither EOS nor padding (TRL's rule)
-
-
-@dataclass
-class StreamedRows:
-    """A rank's share of the streamed groups, handed to TRL's method: what `_generate_single_turn` returns instead of
-    generating, and the rewards `_calculate_rewards` returns instead of scoring again."""
-
-    prompt_ids: list[list[int]]
-    completions: list[list[int]]
-    logprobs: torch.Tensor  # (rows, max_new_tokens)
-    rewards: torch.Tensor  # (rows, reward functions), this rank's rows
-
-
 # Admissions of one streamed generation batch with unlimited rounds and a stream of unknown size, in batches of groups.
 UNKNOWN_SIZE_STREAM_BATCHES = 16
 
@@ -158,14 +127,15 @@ class DAPOTrainer(GRPOTrainer):
         self.rollout_engine = select_rollout_engine(self)
         self.padding_free = self._set_up_padding_free()
         self._engine_weights_step: int | None = None
-        self._engine_logprobs: HandOff[torch.Tensor] = HandOff("engine logprobs")
-        self._round_scores: HandOff[RoundScores] = HandOff("round scores")
-        self._streamed: HandOff[StreamedRows] = HandOff("streamed rows")
-        self._streamed_rewards: HandOff[torch.Tensor] = HandOff("streamed rewards")
-        self._engine_counts: HandOff[tuple[int, int, int]] = HandOff("engine counts")
         if args.dynamic_sampling_mode == "stream":
             self._check_stream_set_up()
         self._trained_batch_metric_names = trained_batch_metric_names(self.reward_func_names)
+        self.rounds = TRLRounds(
+            self,
+            recompute_logprobs=lambda batch: self._no_grad_logprobs(batch, args.per_device_train_batch_size),
+            filter_metric=self._filter_metric,
+            trained_batch_metric_names=self._trained_batch_metric_names,
+        )
         self._skipped_steps = 0
 
     def _set_up_padding_free(self) -> bool:
@@ -199,16 +169,20 @@ class DAPOTrainer(GRPOTrainer):
     # ----------------------------------------------------------------------------------------------- generation
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        streamed = self._streamed.take_if_any()
-        if streamed is not None:  # stream mode: these rows are already generated
-            if [list(ids) for ids in prompt_ids] != streamed.prompt_ids:
+        context = self.rounds.current
+        if context is None or not self.model.training:  # evaluation: TRL's own
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        if context.streamed is not None:  # stream mode: these rows are already generated
+            if [list(ids) for ids in prompt_ids] != context.streamed.prompt_ids:
                 raise RolloutIntegrityError(
                     "stream mode: the prompts TRL tokenized differ from the ones the stream generated for."
                 )
-            self._engine_logprobs.put(streamed.logprobs)
-            self._streamed_rewards.put(streamed.rewards)
-            return streamed.completions, None
-        if self.rollout_engine is None or not self.model.training or images is not None or multimodal_fields:
+            context.record_generation(context.streamed.logprobs)
+            return context.streamed.completions, None
+        if self.rollout_engine is None or images is not None or multimodal_fields:
+            context.record_generation()
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
@@ -216,42 +190,34 @@ class DAPOTrainer(GRPOTrainer):
             self.rollout_engine.sync_weights(self.accelerator.unwrap_model(self.model))
             self._engine_weights_step = self.state.global_step
         output = self.rollout_engine.generate(prompt_ids, token_sampling(self.args))
-        # The logprobs stay on the device for `_rollout_logprobs`: as Python lists TRL would rebuild them row by row.
-        self._engine_logprobs.put(output.logprobs)
+        # The logprobs stay on the device for the round: as Python lists TRL would rebuild them row by row.
         stats = output.stats
-        self._engine_counts.put((stats.busy_slot_steps, stats.pool_slot_steps, stats.prefill_tokens))
+        context.record_generation(
+            output.logprobs, (stats.busy_slot_steps, stats.pool_slot_steps, stats.prefill_tokens)
+        )
         return output.completions, None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        streamed = self._streamed_rewards.take_if_any()
-        if streamed is None:
+        context = self.rounds.current
+        if context is None or context.streamed is None:
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         else:  # stream mode scored these rows as their groups ended: gather them as TRL gathers its own
-            rewards_per_func = self.accelerator.gather(streamed.to(self.accelerator.device))
+            rewards_per_func = self.accelerator.gather(context.streamed.rewards.to(self.accelerator.device))
         # The overlong penalty shapes a score but is none: a completion the task functions all skip is unscored.
         task = slice(0, self.num_task_rewards)
         check_rewards(
             rewards_per_func[:, task], len(prompts) * self.accelerator.num_processes, self.reward_func_names[task]
         )
-        if self.model.training:  # evaluation batches stay TRL's own
-            self._round_scores.put(self._scores_of_round(rewards_per_func, completion_ids_list))
+        if context is not None:  # evaluation batches stay TRL's own
+            ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}
+            context.record_scores(round_scores(rewards_per_func, completion_ids_list, ends, self.accelerator))
         return rewards_per_func
-
-    def _scores_of_round(self, rewards_per_func: torch.Tensor, completion_ids_list: list[list[int]]) -> RoundScores:
-        ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}
-        local = torch.tensor(
-            [[len(ids), bool(ids) and ids[-1] not in ends] for ids in completion_ids_list],
-            device=rewards_per_func.device,
-        )
-        lengths, truncated = self.accelerator.gather(local).unbind(dim=1)
-        return RoundScores(rewards_per_func, lengths, truncated.bool())
 
     def _collect_generation_batch(self, inputs: list[dict[str, Any]]) -> RolloutBatch:
         """The global generation batch (every rank's rows): one round, or dynamic sampling's kept groups."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         if not self.args.dynamic_sampling:
-            batch, _, _ = self._rollout_round(inputs, trained_as_generated=True)
-            return batch
+            return self.rounds.run(inputs, trained_as_generated=True).batch
         target = self.args.generation_batch_size // self.num_generations
         group_multiple = world // math.gcd(self.num_generations, world)
         if self.args.dynamic_sampling_mode == "stream":
@@ -268,11 +234,9 @@ class DAPOTrainer(GRPOTrainer):
                 rows = gather_object(inputs) if round_index == 0 else []  # the first round is the dataloader's batch
                 rows += self._stream_rows(groups - len(rows) // self.num_generations)
                 share = len(rows) // world
-                batch, metric, round_counts = self._rollout_round(
-                    rows[rank * share : (rank + 1) * share], trained_as_generated=False
-                )
-                counts.add_(torch.tensor(round_counts))
-                return batch, metric
+                candidates = self.rounds.run(rows[rank * share : (rank + 1) * share], trained_as_generated=False)
+                counts.add_(torch.tensor(candidates.engine_counts))
+                return candidates.batch, candidates.metric
 
             with _RoundProgress(enabled=self.accelerator.is_main_process and not self.args.disable_tqdm) as progress:
                 batch, stats = self.sampling_buffer.fill(
@@ -381,18 +345,14 @@ class DAPOTrainer(GRPOTrainer):
         rows = [(group, index) for group in kept for index in range(G)]
         share = len(rows) // world
         mine = rows[rank * share : (rank + 1) * share]
-        device = self.accelerator.device
-        self._streamed.put(
-            StreamedRows(
-                prompt_ids=[group.prompt_ids for group, _ in mine],
-                completions=[group.completions[index] for group, index in mine],
-                logprobs=torch.stack([group.logprobs[index] for group, index in mine]).to(device),
-                rewards=torch.stack([group.rewards[index] for group, index in mine]),
-            )
+        streamed = StreamedRows(
+            prompt_ids=[group.prompt_ids for group, _ in mine],
+            completions=[group.completions[index] for group, index in mine],
+            logprobs=torch.stack([group.logprobs[index] for group, index in mine]).to(self.accelerator.device),
+            rewards=torch.stack([group.rewards[index] for group, index in mine]),
         )
-        batch, metric, _ = self._rollout_round(
-            [group.rows[index] for group, index in mine], trained_as_generated=False
-        )
+        kept_round = self.rounds.run([group.rows[index] for group, index in mine], False, streamed)
+        batch, metric = kept_round.batch, kept_round.metric
         if not bool(filter_groups(metric.cpu(), G).all()):
             raise RolloutIntegrityError(
                 "stream mode: a kept group is not informative once gathered; a rank lost rows."
@@ -463,83 +423,6 @@ class DAPOTrainer(GRPOTrainer):
             return []
         return [row for row in self.prompt_stream.take(groups) for _ in range(self.num_generations)]
 
-    def _rollout_round(
-        self, local_inputs: list[dict[str, Any]], trained_as_generated: bool
-    ) -> tuple[RolloutBatch, torch.Tensor, tuple[int, int, int]]:
-        """Generate and score one candidate round with TRL; return the checked global batch, its filter metric and
-        this rank's engine counts (busy and all decode slot-steps, prefilled tokens; zeros without trl-dapo's paged
-        engine).
-
-        Unless the round is trained as generated (no dynamic sampling), TRL's completion and reward metrics of the
-        round are removed: they would describe candidates, and `_log_trained_batch` logs the accepted groups'.
-        """
-        marks = None if trained_as_generated else self._metric_marks()
-        output = super()._generate_and_score_completions(local_inputs)
-        scores = self._round_scores.take()
-        counts = self._engine_counts.take_if_any() or (0, 0, 0)
-        if marks is not None:
-            self._drop_metrics_since(marks)
-        unknown = set(output) - set(PADDED_KEYS) - set(ROW_KEYS) - set(DROPPED_KEYS)
-        if unknown:
-            raise NotImplementedError(
-                f"DAPOTrainer handles text rollouts; TRL returned {sorted(unknown)} (multimodal inputs are not "
-                "supported yet)."
-            )
-        local = {key: output[key] for key in (*PADDED_KEYS, "advantages") if key in output and key not in LOGPROB_KEYS}
-        sampled, recomputed = self._rollout_logprobs(output)
-        rollout_key = "old_per_token_logps"
-        if self.args.old_logprobs == "recompute":
-            rollout_key = "sampling_per_token_logps"
-            local["old_per_token_logps"] = torch.zeros_like(sampled) if recomputed is None else recomputed
-            step = -1 if recomputed is None else self.state.global_step
-            local[OLD_LOGPROBS_STEP] = torch.full((sampled.size(0),), step, device=sampled.device)
-        local[rollout_key] = sampled
-        batch = gather_rollout(local, self.accelerator, self._tokenizer.pad_token_id)
-        check_groups(batch["prompt_ids"], batch["prompt_mask"], self.num_generations)
-        counted = loss_mask(batch).bool()
-        check_completions(batch["completion_ids"], batch["completion_mask"], batch[rollout_key], counted, rollout_key)
-        if scores.rewards.size(0) != num_rows(batch):
-            raise RolloutIntegrityError(
-                f"rewards: {scores.rewards.size(0)} rows for {num_rows(batch)} completions; each completion needs one "
-                "reward."
-            )
-        # tokens outside the loss may hold anything (vLLM gives NaN for what it did not score): zero them once here
-        for key in LOGPROB_KEYS:
-            if key in batch:
-                batch[key] = torch.where(counted, batch[key], 0.0)
-        batch["rewards"], batch["truncated"] = scores.rewards, scores.truncated
-        batch["completion_lengths"] = self._model_token_counts(batch, scores.completion_lengths)
-        self._log_rollout(batch)
-        return batch, self._filter_metric(scores.rewards), counts
-
-    @staticmethod
-    def _model_token_counts(batch: RolloutBatch, lengths: torch.Tensor) -> torch.Tensor:
-        """Completion lengths as TRL logs them: with tool calls, only the tokens the model wrote."""
-        if "tool_mask" not in batch:
-            return lengths
-        positions = torch.arange(batch["tool_mask"].size(1), device=lengths.device)
-        return ((positions < lengths.unsqueeze(1)) & batch["tool_mask"].bool()).sum(dim=1)
-
-    def _rollout_logprobs(self, output: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`(sampled, recomputed)` for a round's completions. `sampled`: the logprobs of the sampled tokens under the
-        policy that sampled them, the old policy of every later ratio unless `old_logprobs="recompute"`; from the
-        generation engine when it returns them (vLLM, a `rollout_func`, trl-dapo's engine), otherwise one no-grad
-        forward pass now, before any optimizer step changes the weights. `recomputed`: the training model's own
-        logprobs of them under the current weights when a pass has computed them (TRL's, which it runs when steps are
-        misaligned with generation, or that no-grad pass), else None.
-        """
-        recomputed = output.get("old_per_token_logps")
-        logprobs = self._engine_logprobs.take_if_any()
-        if logprobs is not None:
-            width = output["completion_ids"].size(1)
-            return F.pad(logprobs[:, :width], (0, max(0, width - logprobs.size(1)))), recomputed
-        if "sampling_per_token_logps" in output:
-            return output["sampling_per_token_logps"], recomputed
-        if recomputed is None:
-            # TRL's generation path: the training model itself sampled, so its forward pass gives the policy's logprobs
-            recomputed = self._no_grad_logprobs(output, batch_size=self.args.per_device_train_batch_size)
-        return recomputed, recomputed
-
     def _no_grad_logprobs(self, batch: RolloutBatch, batch_size: int | None) -> torch.Tensor:
         """The training model's logprobs of the completion tokens: no-grad forwards of at most `batch_size` rows
         (padding-free: `padding_free_max_tokens` tokens when set; None: one forward, for a planned pass)."""
@@ -574,42 +457,10 @@ class DAPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------------- metrics
 
-    def _metric_marks(self) -> dict[str, int]:
-        """How many values each of TRL's completion and reward metrics holds now."""
-        metrics = self._metrics["train"]
-        return {name: len(metrics[name]) for name in self._trained_batch_metric_names if name in metrics}
-
-    def _drop_metrics_since(self, marks: dict[str, int]) -> None:
-        """Remove the values TRL appended to its completion and reward metrics since `marks`."""
-        metrics = self._metrics["train"]
-        for name in self._trained_batch_metric_names:
-            if name in metrics:
-                del metrics[name][marks.get(name, 0) :]
-                if not metrics[name]:
-                    del metrics[name]
-
-    def _log_rollout(self, batch: RolloutBatch) -> None:
-        """Rollout metrics of one candidate round."""
-        mask = loss_mask(batch)
-        named = {
-            "rollout_logprobs_mean": (rollout_logprobs(batch) * mask).sum() / mask.sum().clamp(min=1),
-            "dapo/truncated_ratio": batch["truncated"].float().mean(),
-        }
-        if OVERLONG_REWARD_NAME in self.reward_func_names:
-            penalty = batch["rewards"][:, self.reward_func_names.index(OVERLONG_REWARD_NAME)]
-            named["dapo/overlong_penalty_mean"] = penalty.mean()
-        self._log_device_metrics(named)
-
     def _log_trained_batch(self, batch: RolloutBatch) -> None:
         """TRL's completion and reward metrics, for the accepted groups of this generation batch."""
-        self._log_device_metrics(
-            trained_batch_metrics(batch, self.reward_weights, self.reward_func_names, self.num_generations)
-        )
-
-    def _log_device_metrics(self, named: dict[str, torch.Tensor]) -> None:
-        """Training metrics held on the device, read back in one host synchronisation (each `.item()` would be one)."""
-        values = torch.stack([value.float().reshape(()) for value in named.values()]).tolist()
-        self._log_metrics("train", dict(zip(named, values, strict=True)))
+        metrics = trained_batch_metrics(batch, self.reward_weights, self.reward_func_names, self.num_generations)
+        log_device_metrics(self._metrics["train"], metrics)
 
     def _log_metrics(self, mode: str, values: dict[str, float]) -> None:
         for name, value in values.items():
