@@ -491,7 +491,7 @@ def test_the_loss_takes_the_engines_logprobs_as_the_old_policy(tiny_model, tmp_p
     logprobs lowered by 0.25 the ratio must be exp(0.25): it would be 1 if the trainer recomputed the old policy
     itself, or used anything but what the engine returned."""
     trainer = engine_trainer(tiny_model, tmp_path)
-    trainer.rollout_engine = ShiftedLogprobs(trainer.rollout_engine, shift=0.25)
+    trainer.engine_weights.engine = ShiftedLogprobs(trainer.rollout_engine, shift=0.25)  # what rounds generate with
     trainer.train()
     (logs,) = [h for h in trainer.state.log_history if "ratio_mean" in h]
     assert logs["ratio_mean"] == pytest.approx(math.exp(0.25), abs=2e-4)

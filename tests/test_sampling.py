@@ -12,6 +12,7 @@ from trl_dapo.rewards import soft_overlong_penalty
 from trl_dapo.sampling import (
     DynamicSamplingBuffer,
     DynamicSamplingLimitError,
+    SamplingStats,
     filter_groups,
     group_outcomes,
     make_prompt_stream,
@@ -84,6 +85,27 @@ def test_first_round_uninformative_then_retry_keeps_order_across_rounds():
     assert (stats.filtered_all_correct, stats.filtered_all_wrong) == (4, 0)
     assert stats.metrics()["dapo/sampling_efficiency"] == pytest.approx(4 / 8)
     assert stats.surplus_groups == 1  # group 8 waits for the next batch
+
+
+def test_the_group_filter_is_the_one_handed_to_the_buffer():
+    """Another filter (here: keep a group only when its metric spans at least 1) decides what the buffer keeps and
+    how its groups are counted; its stats add up over rounds and ranks."""
+
+    def spans_one(values: torch.Tensor, num_generations: int) -> torch.Tensor:
+        grouped = values.view(-1, num_generations)
+        return (grouped.amax(dim=1) - grouped.amin(dim=1)) >= 1.0
+
+    def generate(groups: int, round_index: int):
+        metric = torch.tensor([1.0, 0.5, 1.0, 0.0, 1.0, 1.0])  # spans 0.5, 1, 0: only the second is kept
+        return make_batch([1, 2, 3]), metric
+
+    batch, stats = new_buffer(keep_groups=spans_one, max_num_gen_batches=1).fill(1, generate, step=0)
+    assert groups_of(batch) == [2]
+    assert (stats.generated_groups, stats.qualified_groups, stats.filtered_all_correct) == (3, 1, 2)
+    assert filter_groups(torch.tensor([1.0, 0.5]), 2).item()  # DAPO's own filter would have kept the first
+    total = SamplingStats(generated_groups=2, partial=False)
+    total += SamplingStats(generated_groups=3, filtered_tokens=7, partial=True)
+    assert (total.generated_groups, total.filtered_tokens, total.partial) == (5, 7, True)
 
 
 def test_surplus_comes_first_next_time_and_ages_out():

@@ -176,17 +176,19 @@ def test_the_stream_admits_on_the_expected_yield_and_finishes_or_drops_what_is_i
     outcome = stream.run(missing=2, budget=100)
     assert outcome.full and outcome.admitted_groups == 4
     assert [group.prompt_ids for group in outcome.kept] == ([[2], [3], [5]] if policy == "finish" else [[2], [3]])
-    assert outcome.generated_groups == (4 if policy == "finish" else 3)
-    assert (outcome.qualified_groups, outcome.filtered_all_correct, outcome.filtered_tokens) == (
-        outcome.generated_groups - 1,
+    assert outcome.stats.generated_groups == (4 if policy == "finish" else 3)
+    assert (outcome.stats.qualified_groups, outcome.stats.filtered_all_correct, outcome.stats.filtered_tokens) == (
+        outcome.stats.generated_groups - 1,
         1,
         12,
     )
     assert outcome.dropped_groups == (0 if policy == "finish" else 1)
     # tokens: g0 2 x 2, g1 6 x 2, g2 3 x 2, g3 5 x 2 (finished) or 3 x 2 (dropped)
-    assert outcome.generated_tokens == (32 if policy == "finish" else 28)
+    assert outcome.stats.generated_tokens == (32 if policy == "finish" else 28)
     # busy rows per step: 4, 4, then 2 for steps 3-6, 4 for steps 7-9, 2 for the finishing steps 10-11
-    assert (outcome.busy_slot_steps, outcome.pool_slot_steps) == ((32, 44) if policy == "finish" else (28, 36))
+    assert (outcome.stats.busy_slot_steps, outcome.stats.pool_slot_steps) == (
+        (32, 44) if policy == "finish" else (28, 36)
+    )
 
 
 def test_carried_groups_resume_in_the_next_stream_where_they_stopped():
@@ -207,7 +209,7 @@ def test_carried_groups_resume_in_the_next_stream_where_they_stopped():
     assert [group.prompt_ids for group in outcome.kept] == [[2], [3]] and outcome.dropped_groups == 0
     ((carried,),) = [outcome.carried]
     assert carried.prompt_ids == [5] and carried.tokens == [[5] * 3] * 2 and carried.ended == [False, False]
-    assert (outcome.generated_tokens, outcome.carried_tokens) == (28, 6)
+    assert (outcome.stats.generated_tokens, outcome.carried_tokens) == (28, 6)
 
     def no_new_prompts():
         raise AssertionError("the carried group covers the expected need: nothing new is drawn")
@@ -215,7 +217,7 @@ def test_carried_groups_resume_in_the_next_stream_where_they_stopped():
     second = stream_with(no_new_prompts).run(missing=1, budget=100, carried=[carried])
     assert second.full and second.admitted_groups == 1 and not second.carried
     ((kept,),) = [second.kept]
-    assert kept.completions == [[5] * 5] * 2 and kept.fresh_tokens == 4 and second.generated_tokens == 4
+    assert kept.completions == [[5] * 5] * 2 and kept.fresh_tokens == 4 and second.stats.generated_tokens == 4
 
 
 def test_carry_fills_the_free_slots_while_groups_are_missing():
@@ -236,8 +238,8 @@ def test_carry_fills_the_free_slots_while_groups_are_missing():
     ((carried,),) = [outcome.carried]
     assert carried.prompt_ids == [6] and carried.tokens == [[5] * 5] * 2
     # tokens: g0 2 x 2, g2 3 x 2, g1 5 x 2 so far; 5 steps of 4 busy slots
-    assert (outcome.generated_tokens, outcome.carried_tokens) == (20, 10)
-    assert (outcome.busy_slot_steps, outcome.pool_slot_steps) == (20, 20)
+    assert (outcome.stats.generated_tokens, outcome.carried_tokens) == (20, 10)
+    assert (outcome.stats.busy_slot_steps, outcome.stats.pool_slot_steps) == (20, 20)
     with pytest.raises(ValueError, match="only 'carry' keeps"):
         GroupStream(None, None, None, None, num_generations=2, world=1, in_flight="finish", fill_rows=4)
 
@@ -255,7 +257,11 @@ def test_the_groups_in_flight_stay_within_their_cap():
     outcome = stream.run(missing=2, budget=100, max_in_flight=1)
     assert outcome.full and outcome.admitted_groups == 3
     assert [group.prompt_ids for group in outcome.kept] == [[2], [3]]
-    assert (outcome.generated_tokens, outcome.busy_slot_steps, outcome.pool_slot_steps) == (22, 22, 44)
+    assert (outcome.stats.generated_tokens, outcome.stats.busy_slot_steps, outcome.stats.pool_slot_steps) == (
+        22,
+        22,
+        44,
+    )
 
 
 def test_carried_rows_are_trained_next_batch_with_the_logprobs_they_were_sampled_with(tiny_model, tmp_path):

@@ -20,10 +20,11 @@ from trl_dapo.sampling import DynamicSamplingLimitError
 from trl_dapo.sampling.rollout_batch import OLD_LOGPROBS_STEP
 from trl_dapo.testing import ScriptedRollout
 from trl_dapo.trainer.batch_metrics import trained_batch_metric_names
+from trl_dapo.trainer.collect import RoundProgress
 from trl_dapo.trainer.micro_batches import MicroBatch
 from trl_dapo.trainer.round import RoundContext, RoundScores
 from trl_dapo.trainer.step_metrics import StepMetrics
-from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE, _RoundProgress
+from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE
 
 DAPO_METRICS = [
     "clip_ratio/low_mean",
@@ -102,7 +103,7 @@ def test_dynamic_sampling_filters_then_retries(tiny_model, tmp_path, caplog):
 
 
 def test_extra_rounds_show_a_progress_bar(capsys):
-    with _RoundProgress(enabled=True) as progress:
+    with RoundProgress(enabled=True) as progress:
         progress(1, 4, 3, 8)
     assert "dynamic sampling" in capsys.readouterr().err
 

@@ -1,13 +1,15 @@
 """Dynamic sampling: group filters, the buffer that fills a generation batch with informative groups, and the
 prompt stream for extra candidate rounds. Nothing here imports the trainer."""
 
-from .buffer import DynamicSamplingBuffer, DynamicSamplingLimitError, SamplingStats, plan_round_groups
-from .filters import filter_groups, group_outcomes, solve_rate
+from .buffer import DynamicSamplingBuffer, DynamicSamplingLimitError, plan_round_groups
+from .filters import GroupFilter, filter_groups, group_outcomes, solve_rate
 from .prompt_stream import IterablePromptStream, PromptStream, make_prompt_stream
+from .stats import SamplingStats
 
 __all__ = [
     "DynamicSamplingBuffer",
     "DynamicSamplingLimitError",
+    "GroupFilter",
     "IterablePromptStream",
     "PromptStream",
     "SamplingStats",

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from .filters import filter_groups, group_outcomes, solve_rate
+from .filters import GroupFilter, filter_groups
 from .rollout_batch import RolloutBatch, concat_rollouts, num_rows, select_rows
+from .stats import SamplingStats
 
 # One candidate round: given how many groups to generate and the round's index (0 = the first of this generation
 # batch, which carries the Trainer's own dataloader batch), return the global batch and its per-row filter metric.
@@ -34,60 +34,6 @@ EFFICIENCY_DECAY = 0.5
 
 class DynamicSamplingLimitError(RuntimeError):
     """`max_num_gen_batches` candidate rounds did not yield enough informative groups."""
-
-
-@dataclass
-class SamplingStats:
-    """What one fill did, logged as `dapo/*` metrics."""
-
-    gen_batches: int = 0
-    generated_groups: int = 0
-    qualified_groups: int = 0
-    filtered_all_correct: int = 0
-    filtered_all_wrong: int = 0
-    surplus_used: int = 0
-    surplus_groups: int = 0
-    discarded_qualified_groups: int = 0
-    solved_prompts: float = 0.0
-    partial: bool = False
-    generated_tokens: int = 0  # completion tokens generated for this generation batch
-    filtered_tokens: int = 0  # of those, in filtered groups
-    untrained_tokens: int = 0  # generated and never to be trained: discarded qualified groups, rows dropped in flight
-    surplus_tokens: int = 0  # of this batch's qualified groups, kept for a later batch
-    busy_slot_steps: int = 0  # decode slots busy, summed over decode steps and ranks (the engine's count)
-    pool_slot_steps: int = 0  # all decode slots of the engine's calls, likewise (0: no engine of trl-dapo)
-    prefill_tokens: int = 0  # tokens the engine prefilled, likewise: prompts, and carried rows recomputed
-
-    def metrics(self) -> dict[str, float]:
-        generated = max(self.generated_groups, 1)
-        engine = (
-            {
-                "dapo/slot_occupancy": self.busy_slot_steps / self.pool_slot_steps,
-                "dapo/prefill_tokens": self.prefill_tokens,
-            }
-            if self.pool_slot_steps
-            else {}
-        )
-        return {
-            **engine,
-            "dapo/generated_tokens": self.generated_tokens,
-            "dapo/filtered_tokens": self.filtered_tokens,
-            "dapo/untrained_tokens": self.untrained_tokens,
-            "dapo/surplus_tokens": self.surplus_tokens,
-            "dapo/untrained_token_share": self.untrained_tokens / max(self.generated_tokens - self.filtered_tokens, 1),
-            "dapo/gen_batches": self.gen_batches,
-            "dapo/generated_groups": self.generated_groups,
-            "dapo/qualified_groups": self.qualified_groups,
-            "dapo/filtered_groups": self.filtered_all_correct + self.filtered_all_wrong,
-            "dapo/filtered_groups_all_correct": self.filtered_all_correct,
-            "dapo/filtered_groups_all_wrong": self.filtered_all_wrong,
-            "dapo/surplus_groups_used": self.surplus_used,
-            "dapo/surplus_groups": self.surplus_groups,
-            "dapo/discarded_qualified_groups": self.discarded_qualified_groups,
-            "dapo/sampling_efficiency": self.qualified_groups / generated,
-            "dapo/solve_rate": self.solved_prompts / generated,
-            "dapo/partial_batch": float(self.partial),
-        }
 
 
 def plan_round_groups(
@@ -117,8 +63,10 @@ class DynamicSamplingBuffer:
         max_surplus_age: int = 1,
         oversample: str = "1.0",
         max_oversample: float = 4.0,
+        keep_groups: GroupFilter = filter_groups,
     ) -> None:
         self.num_generations = num_generations
+        self.keep_groups = keep_groups
         self.pad_token_id = pad_token_id
         self.max_num_gen_batches = max_num_gen_batches
         self.on_limit = on_limit
@@ -194,11 +142,10 @@ class DynamicSamplingBuffer:
             if report is not None and stats.gen_batches:
                 report(stats.gen_batches, groups, have, target_groups)
             candidates, metric = generate_round(groups, stats.gen_batches)
-            metric = metric.cpu()
-            keep = self._record_round(stats, candidates, metric)
+            kept = self._record_round(stats, metric.cpu())
+            keep = kept.nonzero().flatten()
             stats.generated_tokens += self._tokens(candidates)
-            filtered = torch.nonzero(~filter_groups(metric, self.num_generations)).flatten()
-            stats.filtered_tokens += self._tokens(candidates, filtered)
+            stats.filtered_tokens += self._tokens(candidates, (~kept).nonzero().flatten())
             uninformative_run = 0 if keep.numel() else uninformative_run + num_rows(candidates) // self.num_generations
             if keep.numel():
                 parts.append(self._select_groups(candidates, keep))
@@ -220,14 +167,8 @@ class DynamicSamplingBuffer:
         kept = None
         if have < target_groups:
             kept, counts = stream(target_groups - have)
-            for name in (
-                "generated_groups", "qualified_groups", "filtered_all_correct", "filtered_all_wrong",
-                "solved_prompts", "generated_tokens", "filtered_tokens", "untrained_tokens", "surplus_tokens",
-                "busy_slot_steps", "pool_slot_steps", "prefill_tokens",
-            ):  # fmt: skip
-                setattr(stats, name, getattr(stats, name) + getattr(counts, name))
+            stats += counts
             stats.gen_batches = 1
-            stats.discarded_qualified_groups += counts.discarded_qualified_groups
             self.qualified_weight = EFFICIENCY_DECAY * self.qualified_weight + counts.qualified_groups
             self.generated_weight = EFFICIENCY_DECAY * self.generated_weight + counts.generated_groups
             if num_rows(kept):
@@ -285,19 +226,14 @@ class DynamicSamplingBuffer:
         stats.surplus_groups = self.num_surplus_groups
         return self._select_groups(accepted, torch.arange(take)), stats
 
-    def _record_round(self, stats: SamplingStats, candidates: RolloutBatch, metric: torch.Tensor) -> torch.Tensor:
-        """Count one round in the stats and the running efficiency; return the indices of its informative groups."""
-        groups = num_rows(candidates) // self.num_generations
-        outcomes = group_outcomes(metric, self.num_generations)
+    def _record_round(self, stats: SamplingStats, metric: torch.Tensor) -> torch.Tensor:
+        """Count one round in the stats and the running efficiency; return which of its groups are informative."""
+        qualified_before, generated_before = stats.qualified_groups, stats.generated_groups
+        kept = stats.count_groups(metric, self.num_generations, self.keep_groups)
         stats.gen_batches += 1
-        stats.generated_groups += groups
-        stats.qualified_groups += outcomes["qualified"]
-        stats.filtered_all_correct += outcomes["all_correct"]
-        stats.filtered_all_wrong += outcomes["all_wrong"]
-        stats.solved_prompts += solve_rate(metric, self.num_generations) * groups
-        self.qualified_weight = EFFICIENCY_DECAY * self.qualified_weight + outcomes["qualified"]
-        self.generated_weight = EFFICIENCY_DECAY * self.generated_weight + groups
-        return filter_groups(metric, self.num_generations).nonzero().flatten()
+        self.qualified_weight = EFFICIENCY_DECAY * self.qualified_weight + stats.qualified_groups - qualified_before
+        self.generated_weight = EFFICIENCY_DECAY * self.generated_weight + stats.generated_groups - generated_before
+        return kept
 
     def _found(self, stats: SamplingStats) -> str:
         return (
@@ -351,4 +287,4 @@ class DynamicSamplingBuffer:
         self.generated_weight = state["generated_weight"]
 
 
-__all__ = ["DynamicSamplingBuffer", "DynamicSamplingLimitError", "SamplingStats", "plan_round_groups"]
+__all__ = ["DynamicSamplingBuffer", "DynamicSamplingLimitError", "plan_round_groups"]

@@ -1,12 +1,19 @@
 """Group filters: which prompt groups carry a learning signal.
 
 A group whose filter metric is the same for every sample has zero advantage for all of them: it adds tokens to the
-token-mean's denominator but nothing to the gradient. DAPO drops such groups (std > 0 keeps a group).
+token-mean's denominator but nothing to the gradient. DAPO drops such groups (std > 0 keeps a group). A filter is any
+`GroupFilter`, handed to the buffer and the stream: `filter_groups` is DAPO's, the one place to swap in another (a
+threshold on the standard deviation of a continuous reward, say).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# (per-row filter metric, group size) -> per-group bool: True keeps the group.
+GroupFilter = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def _grouped(values: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -26,10 +33,10 @@ def filter_groups(values: torch.Tensor, num_generations: int) -> torch.Tensor:
     return (valid.sum(dim=1) >= 2) & (high > low)
 
 
-def group_outcomes(values: torch.Tensor, num_generations: int) -> dict[str, int]:
+def group_outcomes(values: torch.Tensor, num_generations: int, keep: GroupFilter = filter_groups) -> dict[str, int]:
     """Counts of kept groups, and of filtered ones split into all-correct (common value > 0) and all-wrong."""
     grouped = _grouped(values, num_generations)
-    kept = filter_groups(values, num_generations)
+    kept = keep(values, num_generations)
     first = torch.nan_to_num(grouped, nan=0.0).amax(dim=1)
     return {
         "qualified": int(kept.sum()),

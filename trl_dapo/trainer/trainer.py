@@ -19,21 +19,16 @@ Hooks overridden, and why:
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import itertools
 import logging
-import math
 import os
 from typing import Any, ClassVar
 
 import torch
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import DistributedType
 from torch import nn
-from tqdm.auto import tqdm
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
-from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
 
 from ..integrity import RolloutIntegrityError, check_rewards, checked_reward_function
@@ -41,8 +36,6 @@ from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
 from ..rollout import PagedRolloutEngine, select_rollout_engine, token_sampling
 from ..sampling import (
     DynamicSamplingBuffer,
-    DynamicSamplingLimitError,
-    SamplingStats,
     filter_groups,
     make_prompt_stream,
 )
@@ -53,23 +46,21 @@ from ..sampling.rollout_batch import (
     loss_mask,
     num_rows,
 )
-from ..sampling.stream import GroupStream, StreamedGroup
 from .batch_metrics import trained_batch_metric_names, trained_batch_metrics
+from .collect import EngineWeights, FilterMetric, make_collector
 from .config import DAPOConfig
 from .loss import active_mean, dapo_policy_loss
 from .micro_batches import MicroBatch, split_generation_batch
 from .mismatch import mismatch_metrics, rollout_correction
 from .packed_attention import enable_packed_attention, forward_packed, why_model_cannot_pack
 from .packing import pack_rows, unpack_scores
-from .round import StreamedRows, TRLRounds, log_device_metrics, round_scores
+from .round import TRLRounds, log_device_metrics, round_scores
 from .set_up import check_set_up, check_stream_reward_functions, filter_column, stream_without_engine
 from .step_metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
 
 SAMPLING_STATE_FILE = "dapo_sampling_state.pt"
-# Admissions of one streamed generation batch with unlimited rounds and a stream of unknown size, in batches of groups.
-UNKNOWN_SIZE_STREAM_BATCHES = 16
 
 
 class DAPOTrainer(GRPOTrainer):
@@ -125,17 +116,23 @@ class DAPOTrainer(GRPOTrainer):
             else None
         )
         self.rollout_engine = select_rollout_engine(self)
+        self.engine_weights = (
+            EngineWeights(self.rollout_engine, lambda: self.accelerator.unwrap_model(self.model))
+            if self.rollout_engine is not None
+            else None
+        )
         self.padding_free = self._set_up_padding_free()
-        self._engine_weights_step: int | None = None
         if args.dynamic_sampling_mode == "stream":
             self._check_stream_set_up()
         self._trained_batch_metric_names = trained_batch_metric_names(self.reward_func_names)
+        filter_metric = FilterMetric(self.filter_column, self.reward_weights)
         self.rounds = TRLRounds(
             self,
             recompute_logprobs=lambda batch: self._no_grad_logprobs(batch, args.per_device_train_batch_size),
-            filter_metric=self._filter_metric,
+            filter_metric=filter_metric,
             trained_batch_metric_names=self._trained_batch_metric_names,
         )
+        self.collector = make_collector(self, self.rounds, filter_metric, keep_groups=filter_groups)
         self._skipped_steps = 0
 
     def _set_up_padding_free(self) -> bool:
@@ -186,10 +183,8 @@ class DAPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        if self._engine_weights_step != self.state.global_step:  # weights change once per optimizer step at most
-            self.rollout_engine.sync_weights(self.accelerator.unwrap_model(self.model))
-            self._engine_weights_step = self.state.global_step
-        output = self.rollout_engine.generate(prompt_ids, token_sampling(self.args))
+        engine = self.engine_weights.current(self.state.global_step)
+        output = engine.generate(prompt_ids, token_sampling(self.args))
         # The logprobs stay on the device for the round: as Python lists TRL would rebuild them row by row.
         stats = output.stats
         context.record_generation(
@@ -214,214 +209,13 @@ class DAPOTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _collect_generation_batch(self, inputs: list[dict[str, Any]]) -> RolloutBatch:
-        """The global generation batch (every rank's rows): one round, or dynamic sampling's kept groups."""
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        if not self.args.dynamic_sampling:
-            return self.rounds.run(inputs, trained_as_generated=True).batch
-        target = self.args.generation_batch_size // self.num_generations
-        group_multiple = world // math.gcd(self.num_generations, world)
-        if self.args.dynamic_sampling_mode == "stream":
-            batch, stats = self.sampling_buffer.fill_stream(
-                target,
-                lambda missing: self._stream_groups(inputs, missing, target, group_multiple),
-                step=self.state.global_step,
-                group_multiple=group_multiple,
-            )
-        else:
-            counts = torch.zeros(3, dtype=torch.long)  # the engine's busy and all decode slot-steps, prefilled tokens
-
-            def generate_round(groups: int, round_index: int) -> tuple[RolloutBatch, torch.Tensor]:
-                rows = gather_object(inputs) if round_index == 0 else []  # the first round is the dataloader's batch
-                rows += self._stream_rows(groups - len(rows) // self.num_generations)
-                share = len(rows) // world
-                candidates = self.rounds.run(rows[rank * share : (rank + 1) * share], trained_as_generated=False)
-                counts.add_(torch.tensor(candidates.engine_counts))
-                return candidates.batch, candidates.metric
-
-            with _RoundProgress(enabled=self.accelerator.is_main_process and not self.args.disable_tqdm) as progress:
-                batch, stats = self.sampling_buffer.fill(
-                    target,
-                    generate_round,
-                    step=self.state.global_step,
-                    group_multiple=group_multiple,
-                    dataset_prompts=lambda: self.prompt_stream.num_prompts,
-                    report=progress,
-                )
-            busy, pool, prefill = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").tolist()
-            stats.busy_slot_steps, stats.pool_slot_steps, stats.prefill_tokens = int(busy), int(pool), int(prefill)
-        self._log_metrics("train", stats.metrics())
-        if num_rows(batch):
-            self._log_trained_batch(batch)
+        """The global generation batch (every rank's rows), from the collector the config chose (`collect.py`)."""
+        batch, stats = self.collector.collect(inputs, self.state.global_step)
+        if stats is not None:  # dynamic sampling: its counts, and TRL's metrics for the accepted groups
+            self._log_metrics("train", stats.metrics())
+            if num_rows(batch):
+                self._log_trained_batch(batch)
         return batch
-
-    def _stream_groups(
-        self, inputs: list[dict[str, Any]], missing: int, target: int, group_multiple: int
-    ) -> tuple[RolloutBatch | None, SamplingStats]:
-        """Stream mode: each rank streams its prompts (its share of the dataloader batch's prompts, then every
-        `world`-th prompt of the extra stream) through one call of the paged engine until the kept groups of all
-        ranks cover `missing`; then the kept groups are gathered, in rank then finish order, and go through TRL's
-        method as rows already generated and scored. Returns the global batch of kept groups and the counts."""
-        rank, world, args = self.accelerator.process_index, self.accelerator.num_processes, self.args
-        G = self.num_generations
-        firsts = gather_object(inputs)[::G]  # the dataloader batch repeats each prompt G times
-        own = iter(firsts[rank::world])
-        blocks = 0  # extra-stream blocks of `world` prompts this rank drew (one prompt of each is its own)
-
-        def next_prompt() -> tuple[dict[str, Any], list[int]]:
-            nonlocal blocks
-            row = next(own, None)
-            if row is None:
-                row, blocks = self.prompt_stream.take(world)[rank], blocks + 1
-            prompt_ids = self._tokenize_prompts(copy.deepcopy([row["prompt"]]))[0][0]
-            return row, list(prompt_ids)
-
-        if self._engine_weights_step != self.state.global_step:
-            self.rollout_engine.sync_weights(self.accelerator.unwrap_model(self.model))
-            self._engine_weights_step = self.state.global_step
-        settings = token_sampling(args)
-        stream = GroupStream(
-            start=lambda prompts, resumed: self.rollout_engine.stream(prompts, settings, resumed),
-            next_prompt=next_prompt,
-            score=self._score_group,
-            agree=self._sum_over_ranks,
-            num_generations=G,
-            world=world,
-            sync_every=args.dynamic_sampling_stream_sync_every,
-            in_flight=args.dynamic_sampling_in_flight,
-            prior=(self.sampling_buffer.qualified_weight, self.sampling_buffer.generated_weight),
-            fill_rows=self.rollout_engine.max_rows if args.dynamic_sampling_in_flight == "carry" else 0,
-        )
-        dataset_prompts = self.prompt_stream.num_prompts
-        if args.max_num_gen_batches:
-            budget = math.ceil(args.max_num_gen_batches * args.dynamic_sampling_max_oversample * target)
-        else:
-            budget = dataset_prompts if dataset_prompts is not None else UNKNOWN_SIZE_STREAM_BATCHES * target
-        # in flight at once: the most one candidate round may hold (the same memory cap as in rounds)
-        max_in_flight = max(math.ceil(args.dynamic_sampling_max_oversample * target), missing)
-        # this rank's groups carried in flight from the last batch, unless older than max_surplus_age
-        step, buffer = self.state.global_step, self.sampling_buffer
-        carried = [group for group in buffer.carried if step - group.birth <= args.max_surplus_age]
-        aged_tokens = sum(group.earlier_tokens for group in buffer.carried) - sum(g.earlier_tokens for g in carried)
-        outcome = stream.run(missing, max(budget, missing), max_in_flight, carried)
-        buffer.carried = [
-            group if group.birth >= 0 else dataclasses.replace(group, birth=step) for group in outcome.carried
-        ]
-        # every rank's extra stream ends at the same position: the furthest any rank drew
-        furthest = int(self.accelerator.reduce(torch.tensor(blocks, device=self.accelerator.device), "max"))
-        if furthest > blocks:
-            self.prompt_stream.take(world * (furthest - blocks))
-        shared = {
-            "kept": [_to_host(group) for group in outcome.kept],
-            "counts": [
-                outcome.generated_groups, outcome.qualified_groups, outcome.filtered_all_correct,
-                outcome.filtered_all_wrong, outcome.solved_prompts, outcome.generated_tokens, outcome.filtered_tokens,
-                outcome.busy_slot_steps, outcome.pool_slot_steps, outcome.carried_tokens, aged_tokens, outcome.prefill_tokens,
-            ],
-        }  # fmt: skip
-        everyone = gather_object([shared])
-        totals = [sum(values) for values in zip(*(rank_share["counts"] for rank_share in everyone), strict=True)]
-        stats = SamplingStats(
-            generated_groups=int(totals[0]), qualified_groups=int(totals[1]), filtered_all_correct=int(totals[2]),
-            filtered_all_wrong=int(totals[3]), solved_prompts=float(totals[4]), generated_tokens=int(totals[5]),
-            filtered_tokens=int(totals[6]), busy_slot_steps=int(totals[7]), pool_slot_steps=int(totals[8]),
-            surplus_tokens=int(totals[9]),  # the carried groups' tokens of this batch, kept for the next
-            prefill_tokens=int(totals[11]),
-        )  # fmt: skip
-        dataset_prompts = self.prompt_stream.num_prompts  # a stream's size may have become known while it ran
-        if not args.max_num_gen_batches and dataset_prompts is not None and not stats.qualified_groups:
-            raise DynamicSamplingLimitError(self.sampling_buffer._full_pass_message(stats, dataset_prompts))
-        kept = [group for rank_share in everyone for group in rank_share["kept"]]
-        usable = len(kept) - len(kept) % group_multiple  # the rows must share equally over the ranks
-        stats.discarded_qualified_groups = len(kept) - usable
-        kept = kept[:usable]
-        kept_tokens = sum(group.fresh_tokens for group in kept)
-        # tokens of this batch neither filtered nor kept nor carried: rows dropped in flight, groups cut for the ranks'
-        # shares; and carried groups that aged out
-        stats.untrained_tokens = (
-            stats.generated_tokens - stats.filtered_tokens - kept_tokens - stats.surplus_tokens + int(totals[10])
-        )
-        if not kept:
-            return self._empty_rollout(), stats
-        rows = [(group, index) for group in kept for index in range(G)]
-        share = len(rows) // world
-        mine = rows[rank * share : (rank + 1) * share]
-        streamed = StreamedRows(
-            prompt_ids=[group.prompt_ids for group, _ in mine],
-            completions=[group.completions[index] for group, index in mine],
-            logprobs=torch.stack([group.logprobs[index] for group, index in mine]).to(self.accelerator.device),
-            rewards=torch.stack([group.rewards[index] for group, index in mine]),
-        )
-        kept_round = self.rounds.run([group.rows[index] for group, index in mine], False, streamed)
-        batch, metric = kept_round.batch, kept_round.metric
-        if not bool(filter_groups(metric.cpu(), G).all()):
-            raise RolloutIntegrityError(
-                "stream mode: a kept group is not informative once gathered; a rank lost rows."
-            )
-        return batch, stats
-
-    def _empty_rollout(self) -> RolloutBatch:
-        """A global batch of no rows with the keys a round's batch has (a stream that kept nothing)."""
-        device = self.accelerator.device
-        empty = torch.zeros(0, 0, dtype=torch.long, device=device)
-        batch = {key: empty for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-        batch["old_per_token_logps"] = torch.zeros(0, 0, device=device)
-        if self.args.old_logprobs == "recompute":
-            batch["sampling_per_token_logps"] = torch.zeros(0, 0, device=device)
-            batch[OLD_LOGPROBS_STEP] = torch.zeros(0, dtype=torch.long, device=device)
-        batch["advantages"] = torch.zeros(0, device=device)
-        batch["rewards"] = torch.zeros(0, len(self.reward_funcs), device=device)
-        batch["truncated"] = torch.zeros(0, dtype=torch.bool, device=device)
-        batch["completion_lengths"] = torch.zeros(0, dtype=torch.long, device=device)
-        return batch
-
-    def _score_group(
-        self, rows: list[dict[str, Any]], prompt_ids: list[int], completion_ids: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One finished group's rewards on this rank, with TRL's arguments to each reward function (its dataset
-        columns, `trainer_state`, `log_metric`; `log_extra` columns are not kept in stream mode), and its filter
-        metric. No collective: ranks finish groups at different times."""
-        prompts = [row["prompt"] for row in rows]
-        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        if is_conversational({"prompt": prompts[0]}):
-            completions = [[{"role": "assistant", "content": text}] for text in texts]
-        else:
-            completions = texts
-        columns = {
-            key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")
-        }
-        extra = dict(trainer_state=self.state, log_extra=lambda *args: None, log_metric=self._log_metric)
-        rewards = torch.full((len(rows), len(self.reward_funcs)), torch.nan)
-        for column, function in enumerate(self.reward_funcs):
-            values = function(
-                prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra
-            )
-            if len(values) != len(rows):
-                raise RolloutIntegrityError(
-                    f"reward function {self.reward_func_names[column]!r} returned {len(values)} rewards for "
-                    f"{len(rows)} completions; each completion needs one."
-                )
-            rewards[:, column] = torch.tensor([torch.nan if v is None else float(v) for v in values])
-        task = slice(0, self.num_task_rewards)
-        check_rewards(rewards[:, task], len(rows), self.reward_func_names[task])
-        return rewards, self._filter_metric(rewards)
-
-    def _filter_metric(self, rewards: torch.Tensor) -> torch.Tensor:
-        """What dynamic sampling filters groups on: one reward function's column, or the weighted total."""
-        if self.filter_column is None:
-            return (rewards * self.reward_weights.to(rewards.device)).nansum(dim=1)
-        return rewards[:, self.filter_column]
-
-    def _sum_over_ranks(self, values: list[float]) -> list[float]:
-        if self.accelerator.num_processes == 1:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
-        return self.accelerator.reduce(tensor, reduction="sum").tolist()
-
-    def _stream_rows(self, groups: int) -> list[dict[str, Any]]:
-        """Rows (each prompt repeated `num_generations` times) of the next `groups` prompts of the extra stream."""
-        if groups <= 0:
-            return []
-        return [row for row in self.prompt_stream.take(groups) for _ in range(self.num_generations)]
 
     def _no_grad_logprobs(self, batch: RolloutBatch, batch_size: int | None) -> torch.Tensor:
         """The training model's logprobs of the completion tokens: no-grad forwards of at most `batch_size` rows
@@ -779,39 +573,3 @@ def _forward_inputs(rows: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, int
     input_ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
     attention_mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
     return input_ids, attention_mask, rows["completion_ids"].size(1)
-
-
-def _to_host(group: StreamedGroup) -> StreamedGroup:
-    """A kept group with its tensors on the CPU, to be gathered to every rank."""
-    return dataclasses.replace(group, logprobs=group.logprobs.cpu(), rewards=group.rewards.cpu())
-
-
-class _RoundProgress:
-    """Makes every extra candidate round visible: a log line each, and a progress bar of the informative groups
-    found (main process, unless `disable_tqdm`), closed when the generation batch is full."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bar: tqdm | None = None
-
-    def __call__(self, round_index: int, groups: int, have: int, target: int) -> None:
-        logger.info(
-            "Dynamic sampling round %d: %d of %d informative groups found so far, generating %d candidate groups.",
-            round_index + 1,
-            have,
-            target,
-            groups,
-        )
-        if not self.enabled:
-            return
-        if self.bar is None:
-            self.bar = tqdm(total=target, desc="dynamic sampling", unit="group", leave=False)
-        self.bar.n = have
-        self.bar.set_postfix(round=round_index + 1)
-
-    def __enter__(self) -> _RoundProgress:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
