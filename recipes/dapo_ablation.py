@@ -132,7 +132,8 @@ def run_check(
         f"regime check: {len(config.seeds)} seeds x learning rates {rates}; about {plan['check_s']:.0f} s per job alone"
     )
     launcher = Launcher(config, output, deadline)
-    codes = prepare_start_points(launcher, list(config.seeds))
+    # the first seed's start point is made twice: would a fresh machine reproduce it?
+    codes = prepare_start_points(launcher, list(config.seeds), second_warm_start=config.seeds[0])
     jobs = [f"{seed}:{rate!r}" for rate in rates for seed in config.seeds]
     processes = min(config.workers, len(jobs))
     codes += launcher.phase("check", [jobs[i::processes] for i in range(processes)])

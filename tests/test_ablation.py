@@ -19,7 +19,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trl_dapo import DAPOConfig
-from trl_dapo.rewards import OverlongPenalty
 from trl_dapo.data import addition_splits
 from trl_dapo.data.addition import (
     AdditionProblem,
@@ -29,6 +28,7 @@ from trl_dapo.data.addition import (
     excess_columns,
     verify,
 )
+from trl_dapo.rewards import OverlongPenalty
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -415,7 +415,7 @@ def test_failed_runs_are_retried_once_in_fewer_processes(tmp_path, monkeypatch):
         return [0] * len(shares)
 
     monkeypatch.setattr(study.Launcher, "phase", phase)
-    monkeypatch.setattr(study.Launcher, "prepare", lambda self, seeds: [])
+    monkeypatch.setattr(study.Launcher, "prepare", lambda self, seeds, second_warm_start=None: [])
     study.launch_workers(config, tmp_path, {"grpo": 2.0, "clip_higher": 1.0}, deadline=None)
     assert phases == [
         ("run", [["0:grpo", "0:clip_higher"], ["1:grpo", "1:clip_higher"]]),
@@ -543,7 +543,9 @@ def test_the_smoke_regime_check_reuses_the_start_points_and_reports(smoke_study,
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode in (0, 2), result.stdout[-3000:] + result.stderr[-3000:]  # 2: a precondition fails
     assert "[seed 0] start point kept" in result.stdout and "[seed 0] check at lr 0.001: ok" in result.stdout
+    assert "[seed 0] second warm start in" in result.stdout and not (output / "models/reproduce-seed0").exists()
     check = json.loads((output / "regime_check.json").read_text())
+    assert check["start_points_reproduce"] == {"0": True}  # a fresh process warm-started the same weights
     entry = check["by_learning_rate"]["0.001"]
     assert entry["seeds"] == [0] and entry["missing"] == 0
     assert check["passed"] == all(entry["holds"].values()) and (result.returncode == 0) == check["passed"]

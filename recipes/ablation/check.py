@@ -11,6 +11,10 @@ neighbours of it. Its logs give the preconditions:
 | entropy >= 0.1 nats per token | the policy's entropy on its own rollouts at the first update (temperature 1) | the entropy collapse Clip-Higher is against |
 | longest / shortest >= 4 | completion lengths within the batch | the token-level loss (per-sequence means weight tokens unevenly) |
 
+Beside the start points, the first seed's is warm-started a second time in a process of its own, as a later call on
+a fresh machine would, and the two weights' digests compared: a study split over several device calls depends on it
+(a start point that does not reproduce sets its seed's earlier runs aside).
+
 The entropy bound is five times where the first study's most trained seed sat (0.018 at its start, 0.012 after GRPO).
 The upper side of the clip is reported apart: Clip-Higher moves only that bound, which binds only tokens with a
 positive advantage whose probability can still rise by a fifth, so it is the smaller side where most samples are
@@ -21,6 +25,7 @@ start points are the study's (same settings, same files), so the check's warm st
 from __future__ import annotations
 
 import gc
+import shutil
 import statistics
 import time
 import traceback
@@ -31,8 +36,8 @@ import torch
 
 from .config import StudyConfig
 from .evaluation import OVERALL
-from .model import load_tokenizer
-from .study import model_dir, read_json, read_start, study_data, write_json
+from .model import build_model, load_tokenizer, warm_start
+from .study import model_dir, read_json, read_start, study_data, weights_digest, write_json
 from .variants import VARIANTS, build_trainer
 
 
@@ -69,6 +74,10 @@ def check_config(config: StudyConfig, learning_rate: float) -> StudyConfig:
 
 def check_file(output: Path, seed: int, learning_rate: float) -> Path:
     return output / "check" / f"seed{seed}" / f"lr{learning_rate:.3g}.json"
+
+
+def reproduce_file(output: Path, seed: int) -> Path:
+    return output / "check" / f"seed{seed}" / "reproduce.json"
 
 
 def measure(log_history: list[dict]) -> dict:
@@ -137,6 +146,24 @@ def check_job(config: StudyConfig, output: Path, seed: int, learning_rate: float
     )
 
 
+def reproduce_job(config: StudyConfig, output: Path, seed: int) -> None:
+    """The seed's start point warm-started a second time, in a process of its own beside the prepare phase's (with its
+    deterministic kernels), and its weights' digest recorded: `summarize_check` compares it with the start point's,
+    which says whether a fresh machine would resume this study. Kept when already recorded under these settings."""
+    path, recorded = reproduce_file(output, seed), read_json(reproduce_file(output, seed))
+    if recorded and recorded["settings"] == config.start_fingerprint():
+        print(f"[seed {seed}] second warm start kept", flush=True)
+        return
+    model, began = output / "models" / f"reproduce-seed{seed}", time.perf_counter()
+    build_model(model, config, seed)
+    warm_start(model, config, set(study_data(config)["test"]["prompt"]), seed)
+    record = {"seed": seed, "settings": config.start_fingerprint(), "digest": weights_digest(model)}
+    shutil.rmtree(model)
+    record["seconds"] = time.perf_counter() - began
+    write_json(path, record)
+    print(f"[seed {seed}] second warm start in {record['seconds']:.1f} s", flush=True)
+
+
 def summarize_check(config: StudyConfig, output: Path, learning_rates: list[float]) -> dict:
     """Per learning rate: each precondition's mean over seeds, its per-seed values and whether it holds; the start
     points' held-out measurements beside them. `passed`: every precondition holds at the regime's learning rate."""
@@ -165,6 +192,11 @@ def summarize_check(config: StudyConfig, output: Path, learning_rates: list[floa
             p.key: sum(value >= p.threshold for value in entry[p.key]["by_seed"]) for p in PRECONDITIONS
         }
         result["by_learning_rate"][f"{learning_rate:.3g}"] = entry
+    result["start_points_reproduce"] = {}
+    for seed, start in starts.items():
+        second = read_json(reproduce_file(output, seed))
+        if start and second and second["settings"] == config.start_fingerprint():
+            result["start_points_reproduce"][seed] = second["digest"] == start["digest"]
     chosen = result["by_learning_rate"].get(f"{config.learning_rate:.3g}")
     result["passed"] = bool(chosen and not chosen["missing"] and all(chosen["holds"].values()))
     return result
@@ -194,6 +226,9 @@ def format_check(summary: dict) -> str:
             f"| {seed} | {point['warm_start_steps']} | {point['avg'][OVERALL]:.3f} | {point['entropy']:.3f} | "
             f"{point['truncated']:.3f} | {point['rechecked']:.3f} | {point['mean_length']:.1f} |"
         )
+    for seed, same in summary["start_points_reproduce"].items():
+        outcome = "same weights" if same else "OTHER weights (run each seed's whole ladder in one call)"
+        lines.append(f"start point of seed {seed} warm-started a second time in another process: {outcome}")
     verdict = "every precondition holds" if summary["passed"] else "NOT every precondition holds"
     lines += ["", f"at the regime's learning rate {summary['learning_rate']:g}: {verdict}"]
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from trl_dapo.data.addition import draw_problem, draw_rechecks, to_dataset
@@ -87,7 +88,11 @@ def warm_start(path: str | Path, config: StudyConfig, held_out_prompts: set[str]
     """Supervised steps on fresh problems until the probe's greedy accuracy reaches `sft_target_accuracy` (checked
     every `sft_check_every` steps) or `sft_max_steps`; saves the model back to `path` and returns the record. Each
     worked solution rechecks a geometric number of times (`sft_recheck_probability`): the verbose habit the paper
-    regime starts RL from."""
+    regime starts RL from.
+
+    Attention runs on SDPA's math backend: the fused kernels' backward (flash, memory-efficient) adds in a
+    nondeterministic order on a GPU (deterministic algorithms with `warn_only` only warn about it), and a start point
+    rebuilt on a fresh machine must reproduce its recorded weights bit for bit."""
     device = torch.device(config.device)
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path).to(device)
@@ -111,23 +116,26 @@ def warm_start(path: str | Path, config: StudyConfig, held_out_prompts: set[str]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16)
     began, checks, step = time.perf_counter(), [], 0
     model.train()
-    while step < config.sft_max_steps:
-        problems = fresh(config.sft_batch_size)
-        solutions = [p.worked(draw_rechecks(rng, config.sft_recheck_probability)) for p in problems]
-        with autocast:
-            batch = _batch(tokenizer, [p.prompt for p in problems], solutions, config.max_completion_length, device)
-            loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        if step % config.sft_check_every == 0 or step == config.sft_max_steps:
-            greedy = evaluate(model, tokenizer, probe, settings)["greedy"]
-            checks.append({"step": step, "loss": loss.item(), "probe_greedy": greedy})
-            print(f"warm start step {step}: loss {loss.item():.3f}, probe greedy {greedy[OVERALL]:.3f}", flush=True)
-            if greedy[OVERALL] >= config.sft_target_accuracy:
-                break
+    with sdpa_kernel(SDPBackend.MATH):
+        while step < config.sft_max_steps:
+            problems = fresh(config.sft_batch_size)
+            solutions = [p.worked(draw_rechecks(rng, config.sft_recheck_probability)) for p in problems]
+            prompts = [p.prompt for p in problems]
+            with autocast:
+                loss = model(**_batch(tokenizer, prompts, solutions, config.max_completion_length, device)).loss
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step % config.sft_check_every == 0 or step == config.sft_max_steps:
+                greedy = evaluate(model, tokenizer, probe, settings)["greedy"]
+                checks.append({"step": step, "loss": loss.item(), "probe_greedy": greedy})
+                print(
+                    f"warm start step {step}: loss {loss.item():.3f}, probe greedy {greedy[OVERALL]:.3f}", flush=True
+                )
+                if greedy[OVERALL] >= config.sft_target_accuracy:
+                    break
     model.save_pretrained(path)
     return {
         "parameters": sum(p.numel() for p in model.parameters()),

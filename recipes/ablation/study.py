@@ -53,6 +53,7 @@ from .variants import Variant, build_trainer, run_order, variant_named
 RECIPES = Path(__file__).resolve().parent.parent
 START = "start"  # the start point's file name beside the runs' (no variant is called so)
 REPORT_MARGIN_S = 30.0  # of a time budget, kept for the summary, the plot and copying the results
+REPRODUCE = "reproduce"  # the check's prepare job that warm-starts a seed's start point a second time
 # Training metrics kept per optimizer step (TRL's, DAPOTrainer's and the reward's).
 TRAIN_METRICS = (
     "entropy",
@@ -356,14 +357,20 @@ class Launcher:
             workers.append((process, log))
         return _follow(workers)
 
-    def prepare(self, seeds: list[int]) -> list[int]:
+    def prepare(self, seeds: list[int], second_warm_start: int | None = None) -> list[int]:
+        """One worker per seed (up to `workers`); `second_warm_start`: that seed's start point is made a second time
+        beside them, in a process of its own where the workers allow one (the check's reproducibility test)."""
         workers = self.config.workers
-        return self.phase("prepare", [[str(s) for s in seeds[i::workers]] for i in range(min(workers, len(seeds)))])
+        shares = [[str(s) for s in seeds[i::workers]] for i in range(min(workers, len(seeds)))]
+        if second_warm_start is not None:
+            job = f"{second_warm_start}:{REPRODUCE}"
+            shares = [*shares, [job]] if len(shares) < workers else [*shares[:-1], [*shares[-1], job]]
+        return self.phase("prepare", shares)
 
 
-def prepare_start_points(launcher: Launcher, seeds: list[int]) -> list[int]:
+def prepare_start_points(launcher: Launcher, seeds: list[int], second_warm_start: int | None = None) -> list[int]:
     """The seeds' start points, and once more those a failed or lost worker left without one."""
-    codes = launcher.prepare(seeds)
+    codes = launcher.prepare(seeds, second_warm_start)
     missing = [seed for seed in seeds if read_start(launcher.config, launcher.output, seed) is None]
     if missing and launcher.time_left():
         codes += launcher.prepare(missing)
@@ -454,13 +461,17 @@ def _worker_main(argv: list[str]) -> None:
             )
             continue
         began = time.perf_counter()
-        if args.phase == "prepare":
+        if args.phase == "prepare" and job.endswith(f":{REPRODUCE}"):
+            from .check import reproduce_job  # (check imports this module)
+
+            reproduce_job(config, output, int(job.split(":")[0]))
+        elif args.phase == "prepare":
             prepare_seed(config, output, int(job))
         elif args.phase == "run":
             seed, name = job.split(":")
             run_job(config, output, int(seed), name, args.memory_share)
         else:
-            from .check import check_job  # (check imports this module)
+            from .check import check_job
 
             seed, learning_rate = job.split(":")
             check_job(config, output, int(seed), float(learning_rate), args.memory_share)
