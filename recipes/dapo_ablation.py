@@ -140,7 +140,7 @@ def run_check(
     summary = summarize_check(config, output, rates)
     summary |= {
         **environment(config.device),
-        "settings": {rate: asdict(check_config(config, rate)) for rate in map(str, rates)},
+        "settings": {f"{rate:.3g}": asdict(check_config(config, rate)) for rate in rates},
         "worker_exit_codes": codes,
         "check_s": time.perf_counter() - began,
     }

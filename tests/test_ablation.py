@@ -36,7 +36,7 @@ from ablation import study  # noqa: E402
 from ablation.check import measure  # noqa: E402
 from ablation.config import MINIATURE, PAPER, StudyConfig, smoke  # noqa: E402
 from ablation.evaluation import _by_bucket, _first_eos_mask  # noqa: E402
-from ablation.model import build_char_tokenizer, build_model  # noqa: E402
+from ablation.model import build_char_tokenizer, build_model, warm_start  # noqa: E402
 from ablation.plan import GIB, MemoryPlanError, memory_plan, parameter_count  # noqa: E402
 from ablation.report import crossing, spread, summarize, t_quantile, window_means  # noqa: E402
 from ablation.study import deal  # noqa: E402
@@ -144,6 +144,21 @@ def test_default_model_has_the_documented_size(tmp_path):
     assert sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tmp_path / "small").parameters()) == (
         parameter_count(smaller)
     )
+
+
+def test_the_warm_start_attends_on_the_math_backend_only(tmp_path, monkeypatch):
+    # the fused kernels' backward is nondeterministic on a GPU: a start point rebuilt elsewhere would not reproduce
+    config = SMOKE.with_overrides(sft_max_steps=1, sft_check_every=1)
+    build_model(tmp_path, config, seed=0)
+    sdpa, fused = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recording(*args, **kwargs):
+        fused.append(torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    record = warm_start(tmp_path, config, held_out_prompts=set(), seed=0)
+    assert record["steps"] == 1 and fused and not any(fused)
 
 
 def test_regimes_keep_the_first_study_and_give_the_paper_regime_its_preconditions():
@@ -546,6 +561,7 @@ def test_the_smoke_regime_check_reuses_the_start_points_and_reports(smoke_study,
     assert "[seed 0] second warm start in" in result.stdout and not (output / "models/reproduce-seed0").exists()
     check = json.loads((output / "regime_check.json").read_text())
     assert check["start_points_reproduce"] == {"0": True}  # a fresh process warm-started the same weights
+    assert check["settings"]["0.001"]["learning_rate"] == 0.001 and check["settings"]["0.001"]["max_steps"] == 2
     entry = check["by_learning_rate"]["0.001"]
     assert entry["seeds"] == [0] and entry["missing"] == 0
     assert check["passed"] == all(entry["holds"].values()) and (result.returncode == 0) == check["passed"]
