@@ -426,14 +426,15 @@ def plot(config: StudyConfig, records: list[dict], path: str | Path) -> Path:
 
     metric = f"avg@{config.eval_k}"
     hardest = bucket_label(config.buckets[-1])
+    share, positive = (0.0, 1.0), (0.0, math.inf)  # what a band may span: an interval over few seeds is wide
     held_out = {
-        0: (f"held-out {metric} vs step", "step", lambda p: p[metric][OVERALL]),
-        1: (f"held-out {metric} vs training wall-clock (s)", "wall_clock_s", lambda p: p[metric][OVERALL]),
-        3: (f"held-out {metric}, {hardest} digits, vs step", "step", lambda p: p[metric][hardest]),
-        4: ("held-out policy entropy (nats/token) vs step", "step", lambda p: p["entropy"]),
-        5: ("held-out truncated share vs step", "step", lambda p: p["truncated"]),
-        6: ("held-out share with a recheck vs step", "step", lambda p: p.get("rechecked", math.nan)),
-        7: ("held-out mean response length vs step", "step", lambda p: p["mean_length"]),
+        0: (f"held-out {metric} vs step", "step", lambda p: p[metric][OVERALL], share),
+        1: (f"held-out {metric} vs training wall-clock (s)", "wall_clock_s", lambda p: p[metric][OVERALL], share),
+        3: (f"held-out {metric}, {hardest} digits, vs step", "step", lambda p: p[metric][hardest], share),
+        4: ("held-out policy entropy (nats/token) vs step", "step", lambda p: p["entropy"], positive),
+        5: ("held-out truncated share vs step", "step", lambda p: p["truncated"], share),
+        6: ("held-out share with a recheck vs step", "step", lambda p: p.get("rechecked", math.nan), share),
+        7: ("held-out mean response length vs step", "step", lambda p: p["mean_length"], positive),
     }
     training = {
         8: ("tokens clipped above (ratio > 1 + eps_high, A > 0) per step", "clip_ratio/high_mean"),
@@ -446,9 +447,10 @@ def plot(config: StudyConfig, records: list[dict], path: str | Path) -> Path:
         runs = completed_runs(records, variant.name)
         if not runs:
             continue
-        for index, (title, x, y) in held_out.items():
+        for index, (title, x, y, (floor, ceiling)) in held_out.items():
             xs, means, lows, highs = _mean_curve(runs, x, y)
             (line,) = axes.flat[index].plot(xs, means, marker=".", label=variant.name)
+            lows, highs = [max(v, floor) for v in lows], [min(v, ceiling) for v in highs]
             axes.flat[index].fill_between(xs, lows, highs, color=line.get_color(), alpha=0.12)
             axes.flat[index].set_title(title, fontsize=10)
         steps, means, lows, highs = _gain_curve(records, variant.name, metric)
