@@ -84,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, help="optimizer steps per run")
     parser.add_argument("--eval-every", type=int, help="optimizer steps between held-out evaluations")
     parser.add_argument("--learning-rate", type=float, help="the RL learning rate, for every variant")
+    parser.add_argument(
+        "--warm-start-target",
+        type=float,
+        help="probe greedy accuracy at which the warm start stops (new start points)",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"))
     parser.add_argument(
         "--time-budget",
@@ -106,6 +111,7 @@ def study_config(args: argparse.Namespace) -> StudyConfig:
         max_steps=args.max_steps,
         eval_every=args.eval_every,
         learning_rate=args.learning_rate,
+        sft_target_accuracy=args.warm_start_target,
         device=args.device,
     )
 

@@ -375,6 +375,18 @@ def test_jobs_go_longest_first_to_the_least_loaded_worker_then_run_in_ladder_ord
     assert deal(jobs[:2], cost, workers=6) == [[(0, "a")], [(0, "b")]]  # no idle worker started
 
 
+def test_the_command_line_names_the_regimes_and_overrides_only_what_it_is_given():
+    from dapo_ablation import parse_args, study_config
+
+    assert study_config(parse_args([])) == PAPER and study_config(parse_args(["--regime", "miniature"])) == MINIATURE
+    assert study_config(parse_args(["--smoke", "--regime", "miniature"])) == smoke(MINIATURE)
+    changed = study_config(parse_args(["--learning-rate", "3e-4", "--warm-start-target", "0.3", "--seeds", "7"]))
+    assert (changed.learning_rate, changed.sft_target_accuracy, changed.seeds) == (3e-4, 0.3, (7,))
+    assert (
+        changed.with_overrides(learning_rate=PAPER.learning_rate, sft_target_accuracy=0.4, seeds=PAPER.seeds) == PAPER
+    )
+
+
 def test_memory_plan_fits_the_workers_on_the_device_or_refuses():
     h200 = 139 * GIB
     plan = memory_plan(PAPER, h200, workers=6)
