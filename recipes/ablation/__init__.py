@@ -1,2 +1,2 @@
-"""The DAPO ablation study in miniature (run by `recipes/dapo_ablation.py`): config, model, evaluation, variants,
-workers, plan and report."""
+"""The DAPO ablation study (run by `recipes/dapo_ablation.py`): config and regimes, model, evaluation, variants,
+workers, the regime check, plan and report."""

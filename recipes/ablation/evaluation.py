@@ -1,5 +1,6 @@
-"""Held-out accuracy per difficulty bucket (greedy and avg@k sampled), policy entropy and response length, and the
-callback that records them against optimizer steps and training wall-clock.
+"""Held-out accuracy per difficulty bucket (greedy and avg@k sampled), the mechanism metrics on the same samples
+(policy entropy, mean and longest response, the share cut at the limit, the share that rechecks), and the callback
+that records them against optimizer steps and training wall-clock.
 
 Evaluation runs under `torch.random.fork_rng` with its own seed: its samples are reproducible and it leaves the
 training RNG untouched, so how often a run is evaluated does not change what it trains on. With `bf16` it runs under
@@ -17,9 +18,10 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, TrainerCallback
 
-from trl_dapo.data.addition import verify
+from trl_dapo.data.addition import excess_columns, verify
 
 OVERALL = "all"
+ENTROPY_ROWS = 512  # rows per teacher-forced forward: its activations stay a fraction of the generation's cache
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class _Generated:
     correct: list[list[bool]]  # per problem, per sample
     lengths: list[int]
     truncated: int
+    rechecked: int  # completions with more column lines than their problem has columns
     entropy_sum: float
     tokens: int
 
@@ -52,9 +55,9 @@ def _first_eos_mask(completion: torch.Tensor, eos_token_id: int) -> torch.Tensor
 @torch.no_grad()
 def _generate(model, tokenizer, dataset, samples: int, generation: GenerationConfig, settings: EvalSettings):
     device = next(model.parameters()).device
-    prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
+    prompts, answers, digits = list(dataset["prompt"]), list(dataset["answer"]), list(dataset["digits"])
     per_call = max(1, settings.max_rows // samples)
-    result = _Generated([], [], 0, 0.0, 0)
+    result = _Generated([], [], 0, 0, 0.0, 0)
     for start in range(0, len(prompts), per_call):
         inputs = tokenizer(
             prompts[start : start + per_call],
@@ -68,16 +71,22 @@ def _generate(model, tokenizer, dataset, samples: int, generation: GenerationCon
         completion = output[:, width:]
         mask = _first_eos_mask(completion, tokenizer.eos_token_id)
         attention = torch.cat([inputs["attention_mask"].repeat_interleave(samples, dim=0), mask], dim=1)
-        logits = model(input_ids=output, attention_mask=attention).logits[:, width - 1 : -1].float()
-        entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        for row in range(0, output.size(0), ENTROPY_ROWS):
+            rows = slice(row, row + ENTROPY_ROWS)
+            logits = model(input_ids=output[rows], attention_mask=attention[rows]).logits[:, width - 1 : -1].float()
+            entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+            result.entropy_sum += float((entropy * mask[rows]).sum())
         lengths = mask.sum(dim=1)
-        result.entropy_sum += float((entropy * mask).sum())
         result.tokens += int(lengths.sum())
         result.lengths += lengths.tolist()
         result.truncated += int((~(completion == tokenizer.eos_token_id).any(dim=1)).sum())
         texts = tokenizer.batch_decode(completion, skip_special_tokens=True)
-        for index, answer in enumerate(answers[start : start + per_call]):
-            result.correct.append([verify(t, answer) for t in texts[index * samples : (index + 1) * samples]])
+        for index, (answer, columns) in enumerate(
+            zip(answers[start : start + per_call], digits[start : start + per_call], strict=True)
+        ):
+            own = texts[index * samples : (index + 1) * samples]
+            result.correct.append([verify(text, answer) for text in own])
+            result.rechecked += sum(excess_columns(text, columns) > 0 for text in own)
     return result
 
 
@@ -90,8 +99,8 @@ def _by_bucket(values: list[float], buckets: list[str]) -> dict[str, float]:
 
 
 def evaluate(model, tokenizer, dataset, settings: EvalSettings) -> dict[str, Any]:
-    """Greedy accuracy per bucket; with `k > 0` also avg@k, pass@k, the policy's mean token entropy on its own
-    samples, their mean length and the share cut at `max_new_tokens`."""
+    """Greedy accuracy per bucket; with `k > 0` also avg@k, pass@k, and on the sampled completions the policy's mean
+    token entropy, their mean and longest length, the share cut at `max_new_tokens` and the share that rechecks."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -120,7 +129,9 @@ def evaluate(model, tokenizer, dataset, settings: EvalSettings) -> dict[str, Any
             metrics[f"pass@{settings.k}"] = _by_bucket([float(any(c)) for c in sampled.correct], buckets)
             metrics["entropy"] = sampled.entropy_sum / max(sampled.tokens, 1)
             metrics["mean_length"] = sum(sampled.lengths) / len(sampled.lengths)
+            metrics["max_length"] = max(sampled.lengths)
             metrics["truncated"] = sampled.truncated / len(sampled.lengths)
+            metrics["rechecked"] = sampled.rechecked / len(sampled.lengths)
     model.train(was_training)
     return metrics
 

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from trl_dapo.data.addition import draw_problem, to_dataset
+from trl_dapo.data.addition import draw_problem, draw_rechecks, to_dataset
 from trl_dapo.testing import build_tiny_model
 
 from .config import StudyConfig
@@ -24,6 +25,7 @@ from .evaluation import OVERALL, EvalSettings, evaluate
 
 ALPHABET = "0123456789+=\n :Answer"  # every character of the prompts and worked solutions
 PAD_TOKEN, EOS_TOKEN = "<pad>", "<eos>"
+VOCAB_SIZE = 2 + len(set(ALPHABET))  # pad, end and one token per character
 
 
 def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
@@ -57,21 +59,23 @@ def build_model(path: str | Path, config: StudyConfig, seed: int) -> None:
     )
 
 
-def _batch(tokenizer, problems, device) -> dict[str, torch.Tensor]:
-    """Right-padded prompt + solution + end token, the loss on the solution and the end token only."""
-    rows, starts = [], []
-    for problem in problems:
-        prompt = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
-        solution = tokenizer(problem.solution, add_special_tokens=False)["input_ids"]
-        rows.append(prompt + solution + [tokenizer.eos_token_id])
-        starts.append(len(prompt))
+def _batch(tokenizer, prompts: list[str], solutions: list[str], max_length: int, device) -> dict[str, torch.Tensor]:
+    """Right-padded prompt + solution + end token, the loss on the solution and the end token only, each solution cut
+    at `max_length` tokens with its end token (what RL's completions can hold: a recheck past it is seen as far as a
+    rollout could see it). Tokenized in two batched calls, not two per row: the warm start's step is host-bound."""
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    solution_ids = tokenizer(solutions, add_special_tokens=False)["input_ids"]
+    rows = [
+        prompt + [*solution, tokenizer.eos_token_id][:max_length]
+        for prompt, solution in zip(prompt_ids, solution_ids, strict=True)
+    ]
     width = max(map(len, rows))
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
     labels = torch.full((len(rows), width), -100)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for index, (row, start) in enumerate(zip(rows, starts, strict=True)):
+    for index, (row, prompt) in enumerate(zip(rows, prompt_ids, strict=True)):
         input_ids[index, : len(row)] = torch.tensor(row)
-        labels[index, start : len(row)] = input_ids[index, start : len(row)]
+        labels[index, len(prompt) : len(row)] = input_ids[index, len(prompt) : len(row)]
         attention_mask[index, : len(row)] = 1
     return {
         "input_ids": input_ids.to(device),
@@ -82,7 +86,13 @@ def _batch(tokenizer, problems, device) -> dict[str, torch.Tensor]:
 
 def warm_start(path: str | Path, config: StudyConfig, held_out_prompts: set[str], seed: int) -> dict:
     """Supervised steps on fresh problems until the probe's greedy accuracy reaches `sft_target_accuracy` (checked
-    every `sft_check_every` steps) or `sft_max_steps`; saves the model back to `path` and returns the record."""
+    every `sft_check_every` steps) or `sft_max_steps`; saves the model back to `path` and returns the record. Each
+    worked solution rechecks a geometric number of times (`sft_recheck_probability`): the verbose habit the paper
+    regime starts RL from.
+
+    Attention runs on SDPA's math backend: the fused kernels' backward (flash, memory-efficient) adds in a
+    nondeterministic order on a GPU (deterministic algorithms with `warn_only` only warn about it), and a start point
+    rebuilt on a fresh machine must reproduce its recorded weights bit for bit."""
     device = torch.device(config.device)
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path).to(device)
@@ -106,19 +116,26 @@ def warm_start(path: str | Path, config: StudyConfig, held_out_prompts: set[str]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16)
     began, checks, step = time.perf_counter(), [], 0
     model.train()
-    while step < config.sft_max_steps:
-        with autocast:
-            loss = model(**_batch(tokenizer, fresh(config.sft_batch_size), device)).loss
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        if step % config.sft_check_every == 0 or step == config.sft_max_steps:
-            greedy = evaluate(model, tokenizer, probe, settings)["greedy"]
-            checks.append({"step": step, "loss": loss.item(), "probe_greedy": greedy})
-            if greedy[OVERALL] >= config.sft_target_accuracy:
-                break
+    with sdpa_kernel(SDPBackend.MATH):
+        while step < config.sft_max_steps:
+            problems = fresh(config.sft_batch_size)
+            solutions = [p.worked(draw_rechecks(rng, config.sft_recheck_probability)) for p in problems]
+            prompts = [p.prompt for p in problems]
+            with autocast:
+                loss = model(**_batch(tokenizer, prompts, solutions, config.max_completion_length, device)).loss
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step % config.sft_check_every == 0 or step == config.sft_max_steps:
+                greedy = evaluate(model, tokenizer, probe, settings)["greedy"]
+                checks.append({"step": step, "loss": loss.item(), "probe_greedy": greedy})
+                print(
+                    f"warm start step {step}: loss {loss.item():.3f}, probe greedy {greedy[OVERALL]:.3f}", flush=True
+                )
+                if greedy[OVERALL] >= config.sft_target_accuracy:
+                    break
     model.save_pretrained(path)
     return {
         "parameters": sum(p.numel() for p in model.parameters()),

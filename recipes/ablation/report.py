@@ -1,7 +1,11 @@
-"""What the study reports: final held-out accuracy per variant over seeds (mean, spread), its gain over naive GRPO
-from the same start point (paired by seed: the seeds' start points differ far more than the variants do), the
-training wall-clock at which each variant first reaches the same seed's GRPO final accuracy, a table, and a PNG of
-the curves."""
+"""What the study reports: final held-out accuracy per variant over seeds, its gain over naive GRPO from the same
+start point (paired by seed, with a 95% t interval: the seeds' start points differ far more than the variants do),
+the mechanism metrics at every evaluation point, the issue's targets read off them, the training wall-clock at which
+each variant first reaches the same seed's GRPO final accuracy, tables, and a PNG of the curves.
+
+A run that failed (after its retry) or was not run yet is never left out silently: the summary lists it, counts it
+per variant, and marks the study incomplete.
+"""
 
 from __future__ import annotations
 
@@ -16,14 +20,61 @@ from .evaluation import OVERALL
 from .variants import VARIANTS, variants_of
 
 BASELINE = VARIANTS[0].name
+FULL_DAPO = ("dynamic_sampling", "dapo_paged_engine")
+PAGED = "dapo_paged_engine"
+# Held-out measures at each evaluation point (the policy's own samples on the same prompts for every variant).
+HELD_OUT_MECHANISMS = ("entropy", "truncated", "rechecked", "mean_length", "max_length")
+# Training measures, averaged over the optimizer steps since the evaluation before (`window_means`).
+TRAINING_MECHANISMS = {
+    "clip_low": "clip_ratio/low_mean",
+    "clip_high": "clip_ratio/high_mean",
+    "train_entropy": "entropy",
+    "rollout_truncated": "study/truncated",
+    "rollout_rechecked": "study/rechecked",
+    "rollout_length_spread": "study/length_spread",
+}
 
 
-def spread(values: list[float]) -> dict[str, float] | None:
-    """Mean, sample standard deviation (0 for one value), min and max, or None without values."""
+def t_within(t: float, df: int) -> float:
+    """P(|T| < t) for Student's t with `df` degrees of freedom (Abramowitz and Stegun 26.7.3 and 26.7.4)."""
+    theta = math.atan(t / math.sqrt(df))
+    sine, cosine2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2 == 0:  # sin(theta) (1 + 1/2 cos^2 + 1.3/(2.4) cos^4 + ... up to cos^(df-2))
+        term = total = 1.0
+        for k in range(1, df // 2):
+            term *= (2 * k - 1) / (2 * k) * cosine2
+            total += term
+        return sine * total
+    if df == 1:
+        return 2 * theta / math.pi
+    term = total = math.cos(theta)  # 2/pi (theta + sin(theta) (cos + 2/3 cos^3 + ... up to cos^(df-2)))
+    for k in range(1, (df - 1) // 2):
+        term *= (2 * k) / (2 * k + 1) * cosine2
+        total += term
+    return 2 / math.pi * (theta + sine * total)
+
+
+def t_quantile(confidence: float, df: int) -> float:
+    """The two-sided critical value: P(|T| < t) = `confidence` (4.303 for 95% and 2 degrees of freedom)."""
+    low, high = 0.0, 1e6
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if t_within(middle, df) < confidence else (low, middle)
+    return (low + high) / 2
+
+
+def spread(values: list[float]) -> dict[str, float | list[float] | None] | None:
+    """Mean, sample standard deviation (0 for one value), min, max, n and the 95% t interval of the mean (None for
+    fewer than two values), or None without values."""
     if not values:
         return None
+    mean = statistics.fmean(values)
     std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return {"mean": statistics.fmean(values), "std": std, "min": min(values), "max": max(values), "n": len(values)}
+    interval = None
+    if len(values) > 1:
+        half = t_quantile(0.95, len(values) - 1) * std / math.sqrt(len(values))
+        interval = [mean - half, mean + half]
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": len(values), "ci95": interval}
 
 
 def crossing(curve: list[dict], metric: str, target: float, axis: str) -> float | None:
@@ -42,14 +93,41 @@ def crossing(curve: list[dict], metric: str, target: float, axis: str) -> float 
     return None
 
 
+def window_means(series: list[list[float]], eval_steps: list[int]) -> list[float | None]:
+    """Per evaluation step, the mean of a training metric over the steps since the evaluation before (None at step
+    0 and for a window without a logged value): what the updates did between two evaluation points."""
+    means: list[float | None] = []
+    for before, step in zip([None, *eval_steps], eval_steps, strict=False):
+        values = [v for s, v in series if before is not None and before < s <= step and math.isfinite(v)]
+        means.append(statistics.fmean(values) if values else None)
+    return means
+
+
+def mechanisms(run: dict, eval_steps: list[int]) -> dict[str, list[float | None]]:
+    """A run's mechanism metrics per evaluation point: held-out (entropy, truncated and rechecked shares, mean and
+    longest length) and, between evaluations, the training ones (clip fractions, entropy, rollout truncation)."""
+    points = {point["step"]: point for point in run["curve"]}
+    result = {name: [points[s].get(name) if s in points else None for s in eval_steps] for name in HELD_OUT_MECHANISMS}
+    for name, metric in TRAINING_MECHANISMS.items():
+        result[name] = window_means(run["train"].get(metric, []), eval_steps)
+    return result
+
+
 def completed_runs(records: list[dict], name: str) -> list[dict]:
     return [r["runs"][name] for r in records if _ok(r, name)]
 
 
+def _paired(records: list[dict], name: str, value) -> list[float]:
+    """`value(run) - value(baseline run)` per seed where both finished."""
+    return [value(r["runs"][name]) - value(r["runs"][BASELINE]) for r in records if _ok(r, name) and _ok(r, BASELINE)]
+
+
 def summarize(config: StudyConfig, records: list[dict]) -> dict:
     metric = f"avg@{config.eval_k}"
+    eval_steps = config.eval_steps()
     targets = {r["seed"]: r["runs"][BASELINE]["curve"][-1][metric][OVERALL] for r in records if _ok(r, BASELINE)}
-    summary = {"metric": metric, "targets": targets, "target_from": BASELINE, "variants": {}}
+    summary: dict = {"metric": metric, "eval_steps": eval_steps, "targets": targets, "target_from": BASELINE}
+    summary["variants"] = {}
     for variant in variants_of(config):
         paired = [(r["seed"], r["runs"][variant.name]) for r in records if _ok(r, variant.name)]
         runs = [run for _, run in paired]
@@ -63,18 +141,26 @@ def summarize(config: StudyConfig, records: list[dict]) -> dict:
                 for name in (metric, "greedy", f"pass@{config.eval_k}")
             },
             "gain_over_baseline": spread(
-                [run["curve"][-1][metric][OVERALL] - targets[seed] for seed, run in paired if seed in targets]
+                _paired(records, variant.name, lambda run: run["curve"][-1][metric][OVERALL])
             ),
             "final_by_bucket": {
                 bucket: spread([f[metric][bucket] for f in finals])
                 for bucket in (finals[0][metric] if finals else {})
                 if bucket != OVERALL
             },
+            "gain_by_bucket": {
+                bucket: spread(_paired(records, variant.name, lambda run, b=bucket: run["curve"][-1][metric][b]))
+                for bucket in (finals[0][metric] if finals else {})
+                if bucket != OVERALL
+            },
             "train_s": spread([run["train_s"] for run in runs]),
             "generated_completions": spread([f["generated_completions"] for f in finals]),
             "generated_tokens": spread([f["generated_tokens"] for f in finals]),
-            "final_eval_entropy": spread([f["entropy"] for f in finals]),
-            "final_eval_mean_length": spread([f["mean_length"] for f in finals]),
+        }
+        per_run = [mechanisms(run, eval_steps) for run in runs]
+        entry["mechanisms"] = {
+            name: [spread([m[name][i] for m in per_run if m[name][i] is not None]) for i in range(len(eval_steps))]
+            for name in (*HELD_OUT_MECHANISMS, *TRAINING_MECHANISMS)
         }
         with_target = [(seed, run) for seed, run in paired if seed in targets]
         for axis, key in (("wall_clock_s", "wall_clock_to_target_s"), ("step", "steps_to_target")):
@@ -83,7 +169,87 @@ def summarize(config: StudyConfig, records: list[dict]) -> dict:
         entry["reached_target"] = sum(x is not None for x in reached)
         entry["seeds_with_target"] = len(with_target)
         summary["variants"][variant.name] = entry
+    summary["failures"], summary["left"] = _unfinished(config, records)
+    summary["complete"] = not summary["failures"] and not summary["left"]
+    summary["targets_read"] = read_targets(config, records, metric)
     return summary
+
+
+def _unfinished(config: StudyConfig, records: list[dict]) -> tuple[list[dict], list[list]]:
+    """The runs that failed (with their last error line) and the (seed, variant) pairs not run yet."""
+    by_seed = {r["seed"]: r for r in records}
+    failures, left = [], []
+    for seed in config.seeds:
+        for variant in variants_of(config):
+            run = by_seed.get(seed, {}).get("runs", {}).get(variant.name)
+            if run is None:
+                left.append([seed, variant.name])
+            elif run["status"] != "ok":
+                error = run["error"].strip().splitlines()
+                failures.append(
+                    {"seed": seed, "variant": variant.name, "attempts": run.get("attempts", 1), "error": error[-1]}
+                )
+    return failures, left
+
+
+def read_targets(config: StudyConfig, records: list[dict], metric: str) -> dict:
+    """The issue's targets, per seed and over seeds (95% t intervals), from the runs that finished:
+
+    - GRPO's held-out entropy at the last evaluation over its start (below 1/2: it collapsed);
+    - Clip-Higher's and GRPO's final held-out entropy, each with its interval (non-overlapping, Clip-Higher's
+      higher: it kept entropy), and their paired difference;
+    - per variant, the held-out truncated share averaged over the evaluations after the start, minus GRPO's
+      (negative: truncation fell faster than under GRPO);
+    - full DAPO's final gain over GRPO (interval above zero: it beat GRPO);
+    - the paged engine's training wall-clock to the seed's GRPO final over GRPO's whole training wall-clock (at most
+      1/2: half the time; a seed that never reaches it counts as not reaching it)."""
+    grpo = completed_runs(records, BASELINE)
+    ratios = [run["curve"][-1]["entropy"] / run["curve"][0]["entropy"] for run in grpo if run["curve"][0]["entropy"]]
+    result: dict = {"grpo_entropy_over_start": spread(ratios)}
+    result["grpo_entropy_halved"] = bool(ratios) and statistics.fmean(ratios) < 0.5
+    final_entropy = {
+        name: spread([run["curve"][-1]["entropy"] for run in completed_runs(records, name)])
+        for name in (BASELINE, "clip_higher")
+    }
+    result["final_entropy"] = final_entropy
+    result["clip_higher_minus_grpo_entropy"] = spread(
+        _paired(records, "clip_higher", lambda run: run["curve"][-1]["entropy"])
+    )
+    high, low = final_entropy["clip_higher"], final_entropy[BASELINE]
+    result["clip_higher_entropy_separated"] = bool(
+        high and low and high["ci95"] and low["ci95"] and high["ci95"][0] > low["ci95"][1]
+    )
+
+    def later_truncation(run: dict) -> float:
+        return statistics.fmean(point["truncated"] for point in run["curve"][1:])
+
+    result["truncation_after_start_minus_grpo"] = {
+        variant.name: spread(_paired(records, variant.name, later_truncation))
+        for variant in variants_of(config)
+        if variant.name != BASELINE
+    }
+    result["full_dapo_gain"] = {
+        name: spread(_paired(records, name, lambda run: run["curve"][-1][metric][OVERALL]))
+        for name in FULL_DAPO
+        if name in (v.name for v in variants_of(config))
+    }
+    result["full_dapo_beats_grpo"] = {
+        name: bool(gain and gain["ci95"] and gain["ci95"][0] > 0) for name, gain in result["full_dapo_gain"].items()
+    }
+    fractions, reached = [], 0
+    for record in records:
+        if _ok(record, PAGED) and _ok(record, BASELINE):
+            target = record["runs"][BASELINE]["curve"][-1][metric][OVERALL]
+            at = crossing(record["runs"][PAGED]["curve"], metric, target, "wall_clock_s")
+            reached += at is not None
+            fractions.append(math.inf if at is None else at / record["runs"][BASELINE]["train_s"])
+    result["paged_wall_clock_to_grpo_final_over_grpo"] = {
+        "by_seed": fractions,
+        "reached": reached,
+        "median": statistics.median(fractions) if fractions else None,
+    }
+    result["paged_within_half_grpo_wall_clock"] = bool(fractions) and all(f <= 0.5 for f in fractions)
+    return result
 
 
 def _ok(record: dict, name: str) -> bool:
@@ -99,21 +265,25 @@ def _cell(value: dict | None, digits: int = 3) -> str:
 
 
 def _signed(value: dict | None) -> str:
-    """A paired difference: mean ± standard deviation, and the range over seeds (all of one sign or not)."""
+    """A paired difference: mean and its 95% t interval (n), or the one value."""
     if value is None:
         return "n/a"
-    return f"{value['mean']:+.3f} ± {value['std']:.3f} [{value['min']:+.3f}, {value['max']:+.3f}]"
+    if value["ci95"] is None:
+        return f"{value['mean']:+.3f} (n=1)"
+    low, high = value["ci95"]
+    return f"{value['mean']:+.3f} [{low:+.3f}, {high:+.3f}] (n={value['n']})"
 
 
 def format_table(summary: dict) -> str:
-    """Markdown: one row per variant; ± is the standard deviation over seeds."""
+    """Markdown: one row per variant; ± is the standard deviation over seeds, [ ] the 95% interval of a paired
+    mean."""
     metric = summary["metric"]
     buckets = next((list(v["final_by_bucket"]) for v in summary["variants"].values() if v["final_by_bucket"]), [])
     header = [
         "variant",
         "seeds",
         f"final {metric}",
-        f"gain over {BASELINE}, same seed",
+        f"gain over {BASELINE}, same seed, 95% interval",
         "final greedy",
         *(f"{metric} {b} digits" for b in buckets),
         "RL wall-clock s",
@@ -125,7 +295,7 @@ def format_table(summary: dict) -> str:
         reached = f"{_cell(v['wall_clock_to_target_s'], 1)} ({v['reached_target']}/{v['seeds_with_target']} reached)"
         row = [
             name,
-            f"{v['seeds_ok']}" + (f" ({v['seeds_failed']} failed)" if v["seeds_failed"] else ""),
+            f"{v['seeds_ok']}" + (f" ({v['seeds_failed']} FAILED)" if v["seeds_failed"] else ""),
             _cell(v["final"][metric]),
             _signed(v["gain_over_baseline"]),
             _cell(v["final"]["greedy"]),
@@ -138,16 +308,83 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def format_mechanisms(summary: dict) -> str:
+    """Markdown: per variant and evaluation step, the mechanism metrics' means over seeds (training ones over the
+    steps since the evaluation before)."""
+    columns = (
+        ("entropy", "held-out entropy", 3),
+        ("truncated", "held-out truncated", 3),
+        ("rechecked", "held-out rechecked", 3),
+        ("mean_length", "mean length", 1),
+        ("max_length", "max length", 0),
+        ("clip_low", "clipped low", 4),
+        ("clip_high", "clipped high", 4),
+        ("train_entropy", "training entropy", 3),
+        ("rollout_truncated", "rollout truncated", 3),
+    )
+    header = ["variant", "step", *(label for _, label, _ in columns)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, v in summary["variants"].items():
+        for index, step in enumerate(summary["eval_steps"]):
+            cells = []
+            for key, _, digits in columns:
+                value = v["mechanisms"][key][index]
+                cells.append("" if value is None else f"{value['mean']:.{digits}f}")
+            lines.append("| " + " | ".join([name, str(step), *cells]) + " |")
+    return "\n".join(lines)
+
+
+def format_targets(summary: dict) -> str:
+    """The issue's targets as read from the runs (see `read_targets`)."""
+    read = summary["targets_read"]
+
+    def interval(value: dict | None) -> str:
+        if value is None:
+            return "n/a"
+        if value["ci95"] is None:
+            return f"{value['mean']:.3f} (n=1)"
+        return f"{value['mean']:.3f} [{value['ci95'][0]:.3f}, {value['ci95'][1]:.3f}] (n={value['n']})"
+
+    paged = read["paged_wall_clock_to_grpo_final_over_grpo"]
+    lines = [
+        "targets, read from the finished runs (95% t intervals over seeds):",
+        f"- GRPO held-out entropy, last evaluation / start: {interval(read['grpo_entropy_over_start'])}; below 1/2: "
+        f"{read['grpo_entropy_halved']}",
+        f"- final held-out entropy: grpo {interval(read['final_entropy'][BASELINE])}, clip_higher "
+        f"{interval(read['final_entropy']['clip_higher'])}; separated, Clip-Higher above: "
+        f"{read['clip_higher_entropy_separated']} (paired difference {_signed(read['clip_higher_minus_grpo_entropy'])})",
+        "- held-out truncated share after the start, minus GRPO's (negative: fell faster): "
+        + ", ".join(f"{name} {_signed(v)}" for name, v in read["truncation_after_start_minus_grpo"].items()),
+        "- full DAPO's final gain over GRPO: "
+        + ", ".join(
+            f"{name} {_signed(v)} (above zero: {read['full_dapo_beats_grpo'][name]})"
+            for name, v in read["full_dapo_gain"].items()
+        ),
+        f"- {PAGED}: wall-clock to the seed's GRPO final / GRPO's wall-clock, by seed "
+        f"{[round(f, 2) for f in paged['by_seed']]} ({paged['reached']} reached); all within 1/2: "
+        f"{read['paged_within_half_grpo_wall_clock']}",
+    ]
+    return "\n".join(lines)
+
+
+def _mean_band(values: list[float]) -> tuple[float, float, float]:
+    """Mean and its 95% t interval (the mean itself for one value)."""
+    stats = spread(values)
+    low, high = stats["ci95"] or (stats["mean"], stats["mean"])
+    return stats["mean"], low, high
+
+
 def _mean_curve(runs: list[dict], x: str, y) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Per evaluation index over the seeds: mean x, mean y, min y, max y (every run evaluates at the same steps)."""
+    """Per evaluation index over the seeds: mean x, mean y and its 95% interval (every run evaluates at the same
+    steps)."""
     points = min(len(run["curve"]) for run in runs)
     xs, means, lows, highs = [], [], [], []
     for index in range(points):
-        values = [y(run["curve"][index]) for run in runs]
+        mean, low, high = _mean_band([y(run["curve"][index]) for run in runs])
         xs.append(statistics.fmean(run["curve"][index][x] for run in runs))
-        means.append(statistics.fmean(values))
-        lows.append(min(values))
-        highs.append(max(values))
+        means.append(mean)
+        lows.append(low)
+        highs.append(high)
     return xs, means, lows, highs
 
 
@@ -162,21 +399,26 @@ def _mean_series(runs: list[dict], name: str) -> tuple[list[float], list[float]]
 
 
 def _gain_curve(records: list[dict], name: str, metric: str) -> tuple[list, list, list, list]:
-    """Per evaluation: step, and mean, min and max over seeds of the overall `metric` minus the same seed's GRPO's."""
+    """Per evaluation: step, and the mean over seeds of the overall `metric` minus the same seed's GRPO's, with its
+    95% interval."""
     pairs = [
         (r["runs"][name]["curve"], r["runs"][BASELINE]["curve"]) for r in records if _ok(r, name) and _ok(r, BASELINE)
     ]
     if not pairs:
         return [], [], [], []
     points = min(min(len(run), len(base)) for run, base in pairs)
-    gains = [[run[i][metric][OVERALL] - base[i][metric][OVERALL] for run, base in pairs] for i in range(points)]
+    bands = [
+        _mean_band([run[i][metric][OVERALL] - base[i][metric][OVERALL] for run, base in pairs]) for i in range(points)
+    ]
     steps = [pairs[0][0][i]["step"] for i in range(points)]
-    return steps, [statistics.fmean(g) for g in gains], [min(g) for g in gains], [max(g) for g in gains]
+    return steps, [b[0] for b in bands], [b[1] for b in bands], [b[2] for b in bands]
 
 
 def plot(config: StudyConfig, records: list[dict], path: str | Path) -> Path:
-    """A 3x3 PNG of every variant's mean over seeds (bands: min to max over seeds on the held-out panels; the gain
-    panel pairs each seed's run with its GRPO run, the others show the seeds' spread of start points too)."""
+    """A 3x4 PNG of every variant's mean over seeds with its 95% interval: accuracy (against steps and wall-clock,
+    the gain over GRPO of the same seed, the hardest bucket), the held-out mechanisms (entropy, the paper's Figure
+    2b; truncated and rechecked shares; length) and the training ones (clip fractions, rollout truncation,
+    informative groups)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -184,41 +426,47 @@ def plot(config: StudyConfig, records: list[dict], path: str | Path) -> Path:
 
     metric = f"avg@{config.eval_k}"
     hardest = bucket_label(config.buckets[-1])
-    held_out = [
-        (f"held-out {metric} vs step", "step", lambda p: p[metric][OVERALL]),
-        (f"held-out {metric} vs training wall-clock (s)", "wall_clock_s", lambda p: p[metric][OVERALL]),
-        (f"held-out {metric}, {hardest} digits, vs step", "step", lambda p: p[metric][hardest]),
-        ("policy entropy on held-out samples vs step", "step", lambda p: p["entropy"]),
-        ("completions generated vs step", "step", lambda p: p["generated_completions"]),
-    ]
-    training = [
-        ("training entropy (TRL's, on trained tokens)", "entropy"),
-        ("training response length", "completions/mean_length"),
-        ("informative groups per generation round", "study/informative_groups"),
-    ]
-    figure, axes = plt.subplots(3, 3, figsize=(16, 12))
+    share, positive = (0.0, 1.0), (0.0, math.inf)  # what a band may span: an interval over few seeds is wide
+    held_out = {
+        0: (f"held-out {metric} vs step", "step", lambda p: p[metric][OVERALL], share),
+        1: (f"held-out {metric} vs training wall-clock (s)", "wall_clock_s", lambda p: p[metric][OVERALL], share),
+        3: (f"held-out {metric}, {hardest} digits, vs step", "step", lambda p: p[metric][hardest], share),
+        4: ("held-out policy entropy (nats/token) vs step", "step", lambda p: p["entropy"], positive),
+        5: ("held-out truncated share vs step", "step", lambda p: p["truncated"], share),
+        6: ("held-out share with a recheck vs step", "step", lambda p: p.get("rechecked", math.nan), share),
+        7: ("held-out mean response length vs step", "step", lambda p: p["mean_length"], positive),
+    }
+    training = {
+        8: ("tokens clipped above (ratio > 1 + eps_high, A > 0) per step", "clip_ratio/high_mean"),
+        9: ("tokens clipped below (ratio < 1 - eps, A < 0) per step", "clip_ratio/low_mean"),
+        10: ("rollout truncated share per generation round", "study/truncated"),
+        11: ("informative groups per generation round", "study/informative_groups"),
+    }
+    figure, axes = plt.subplots(3, 4, figsize=(20, 12))
     for variant in variants_of(config):
         runs = completed_runs(records, variant.name)
         if not runs:
             continue
-        panels = [axes.flat[0], axes.flat[1], *axes.flat[3:6]]
-        for axis, (title, x, y) in zip(panels, held_out, strict=True):
+        for index, (title, x, y, (floor, ceiling)) in held_out.items():
             xs, means, lows, highs = _mean_curve(runs, x, y)
-            (line,) = axis.plot(xs, means, marker=".", label=variant.name)
-            axis.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.12)
-            axis.set_title(title, fontsize=10)
+            (line,) = axes.flat[index].plot(xs, means, marker=".", label=variant.name)
+            lows, highs = [max(v, floor) for v in lows], [min(v, ceiling) for v in highs]
+            axes.flat[index].fill_between(xs, lows, highs, color=line.get_color(), alpha=0.12)
+            axes.flat[index].set_title(title, fontsize=10)
         steps, means, lows, highs = _gain_curve(records, variant.name, metric)
         (line,) = axes.flat[2].plot(steps, means, marker=".", label=variant.name)
         axes.flat[2].fill_between(steps, lows, highs, color=line.get_color(), alpha=0.12)
         axes.flat[2].set_title(f"held-out {metric} gain over {BASELINE}, same seed, vs step", fontsize=10)
-        for axis, (title, name) in zip(axes.flat[6:], training, strict=True):
+        for index, (title, name) in training.items():
             steps, values = _mean_series(runs, name)
-            axis.plot(steps, values, marker="." if len(steps) < 50 else None, label=variant.name)
-            axis.set_title(title, fontsize=10)
+            axes.flat[index].plot(steps, values, marker="." if len(steps) < 50 else None, label=variant.name)
+            axes.flat[index].set_title(title, fontsize=10)
     for axis in axes.flat:
         axis.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
-    figure.suptitle(f"DAPO ablation: {len(config.seeds)} seeds, mean (bands: min-max over seeds)")
+    figure.suptitle(
+        f"DAPO ablation, {config.name} regime: {len(config.seeds)} seeds, mean (bands: 95% t interval over seeds)"
+    )
     figure.tight_layout()
     path = Path(path)
     figure.savefig(path, dpi=90)

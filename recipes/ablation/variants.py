@@ -24,7 +24,7 @@ from typing import Any
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_dapo import DAPOConfig, DAPOTrainer
-from trl_dapo.data.addition import verify
+from trl_dapo.data.addition import excess_columns, verify
 from trl_dapo.rewards import OverlongPenalty
 
 from .config import StudyConfig
@@ -36,18 +36,21 @@ class AdditionReward:
     """+1 when the final answer is exactly the sum, -1 otherwise (the reference recipe's scale), and a count of what
     was generated: every call scores one generation round (one per generation batch, more with dynamic sampling).
 
-    Logs per round the share of informative groups (some but not all samples right: the groups with a learning
-    signal) and the solve rate."""
+    Logs per round, over every candidate (TRL's completion metrics describe only the trained groups under dynamic
+    sampling, so these are the ones comparable across the ladder): the share of informative groups (some but not all
+    samples right: the groups with a learning signal), the solve rate, the truncated share (no end token), the
+    longest over the shortest completion and the share with rechecks (more column lines than the problem has)."""
 
-    def __init__(self, num_generations: int) -> None:
+    def __init__(self, num_generations: int, end_token_ids: frozenset[int]) -> None:
         self.__name__ = ACCURACY  # TRL names a reward function by `__name__`; dynamic sampling filters on it
         self.num_generations = num_generations
+        self.end_token_ids = end_token_ids  # end and pad, as the trainers tell a truncated completion
         self.completions = self.tokens = 0
 
     def totals(self) -> dict[str, int]:
         return {"generated_completions": self.completions, "generated_tokens": self.tokens}
 
-    def __call__(self, completions, answer, completion_ids, log_metric=None, **kwargs: Any) -> list[float]:
+    def __call__(self, completions, answer, digits, completion_ids, log_metric=None, **kwargs: Any) -> list[float]:
         size = self.num_generations
         if len(completions) % size or any(len(set(answer[i : i + size])) != 1 for i in range(0, len(answer), size)):
             raise ValueError(
@@ -56,11 +59,17 @@ class AdditionReward:
             )
         correct = [verify(text, truth) for text, truth in zip(completions, answer, strict=True)]
         solved = [sum(correct[i : i + size]) for i in range(0, len(correct), size)]
+        lengths = [len(ids) for ids in completion_ids]
         if log_metric is not None:
             log_metric("study/informative_groups", sum(0 < s < size for s in solved) / len(solved))
             log_metric("study/solve_rate", sum(correct) / len(correct))
+            truncated = sum(not ids or ids[-1] not in self.end_token_ids for ids in completion_ids)
+            log_metric("study/truncated", truncated / len(completion_ids))
+            log_metric("study/length_spread", max(lengths) / max(1, min(lengths)))
+            verbose = sum(excess_columns(text, d) > 0 for text, d in zip(completions, digits, strict=True))
+            log_metric("study/rechecked", verbose / len(completions))
         self.completions += len(completions)
-        self.tokens += sum(map(len, completion_ids))
+        self.tokens += sum(lengths)
         return [1.0 if c else -1.0 for c in correct]
 
 
@@ -189,9 +198,14 @@ def grpo_fields(config: StudyConfig, variant: Variant, seed: int, output_dir: st
     )
 
 
-def trainer_setup(variant: Variant, config: StudyConfig, seed: int, output_dir) -> tuple[type, GRPOConfig, list]:
-    """The variant's trainer class, its config and its reward functions (the first one the counting accuracy)."""
-    rewards: list = [AdditionReward(config.num_generations)]
+def trainer_setup(
+    variant: Variant, config: StudyConfig, seed: int, output_dir, tokenizer, memory_share: float
+) -> tuple[type, GRPOConfig, list]:
+    """The variant's trainer class, its config and its reward functions (the first one the counting accuracy).
+    `memory_share`: the share of the device this worker may hold (`plan.memory_plan`); the paged engine sizes its
+    cache under it, so engines of workers sharing the device cannot together exceed it."""
+    ends = frozenset({tokenizer.eos_token_id, tokenizer.pad_token_id})
+    rewards: list = [AdditionReward(config.num_generations, ends)]
     values = grpo_fields(config, variant, seed, str(output_dir))
     if not variant.token_level:
         if variant.soft_overlong:
@@ -209,6 +223,7 @@ def trainer_setup(variant: Variant, config: StudyConfig, seed: int, output_dir) 
         overlong_buffer_len=config.overlong_buffer_len if variant.soft_overlong else 0,
         overlong_penalty_factor=config.overlong_penalty_factor,
         dynamic_sampling=variant.dynamic_sampling,
+        dynamic_sampling_mode="rounds",  # the reward then scores whole rounds, so its per-round metrics are the batch's
         dynamic_sampling_metric=ACCURACY,
         max_num_gen_batches=config.max_num_gen_batches,
         dynamic_sampling_on_limit="train_on_partial",
@@ -217,14 +232,24 @@ def trainer_setup(variant: Variant, config: StudyConfig, seed: int, output_dir) 
         dynamic_sampling_oversample=config.dynamic_sampling_oversample,
         dynamic_sampling_max_oversample=config.dynamic_sampling_max_oversample,
         rollout_engine=variant.rollout_engine,
+        rollout_memory_fraction=memory_share,
         **values,
     )
     return DAPOTrainer, args, rewards
 
 
-def build_trainer(variant: Variant, config: StudyConfig, seed: int, model_path, tokenizer, train_dataset, output_dir):
+def build_trainer(
+    variant: Variant,
+    config: StudyConfig,
+    seed: int,
+    model_path,
+    tokenizer,
+    train_dataset,
+    output_dir,
+    memory_share: float,
+):
     """The variant's trainer over the warm-started model, and its reward (which counts what was generated)."""
-    trainer_class, args, rewards = trainer_setup(variant, config, seed, output_dir)
+    trainer_class, args, rewards = trainer_setup(variant, config, seed, output_dir, tokenizer, memory_share)
     trainer = trainer_class(
         model=str(model_path), reward_funcs=rewards, args=args, train_dataset=train_dataset, processing_class=tokenizer
     )

@@ -11,12 +11,18 @@ the carry in, then the answer line the reference math reward reads:
 Difficulty is the digit count of the longer operand: each extra column is one more step to get right, so a model
 trained briefly on the worked solutions is nearly always right on short problems and mostly wrong on long ones, and
 the per-prompt pass rates of a spread of lengths cover 0 to 1 (the regime where dynamic sampling matters).
+
+A worked solution may also *recheck*: write its column block again, verbatim, before the answer line
+(`AdditionProblem.worked`). Rechecks are still right, only longer; a warm start taught some of them has a verbose
+habit that sometimes runs past a length limit, which is what gives overlong filtering and the soft overlong
+punishment something to act on. `excess_columns` measures the habit in a completion.
 Everything is drawn from `random.Random(seed)`: the same seed gives the same problems.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +31,7 @@ from datasets import Dataset, DatasetDict
 from ..rewards.math import extract_answer
 
 Bucket = tuple[int, int]  # inclusive range of difficulties (digits of the longer operand)
+COLUMN_LINE = re.compile(r"^\d\+\d\+\d=\d{1,2}$", re.MULTILINE)  # one scratchpad column, e.g. "7+5+0=12"
 
 
 @dataclass(frozen=True)
@@ -48,12 +55,32 @@ class AdditionProblem:
     @property
     def solution(self) -> str:
         """The worked scratchpad and the answer line (no end-of-sequence token)."""
+        return self.worked(rechecks=0)
+
+    def worked(self, rechecks: int) -> str:
+        """The scratchpad with its column block written `1 + rechecks` times, then the answer line."""
         lines, carry = [], 0
         for column in range(self.digits):
             x, y = (value // 10**column % 10 for value in (self.a, self.b))
             lines.append(f"{x}+{y}+{carry}={x + y + carry}")
             carry = (x + y + carry) // 10
-        return "\n".join([*lines, f"Answer: {self.answer}"])
+        return "\n".join([*lines * (1 + rechecks), f"Answer: {self.answer}"])
+
+
+def draw_rechecks(rng: random.Random, probability: float) -> int:
+    """How many times a worked solution rechecks: geometric, each further recheck with `probability`. Draws nothing
+    when `probability` is 0, so solutions without rechecks leave the random stream as it was."""
+    if not 0.0 <= probability < 1.0:
+        raise ValueError(f"recheck probability {probability} must be in [0, 1).")
+    rechecks = 0
+    while probability and rng.random() < probability:
+        rechecks += 1
+    return rechecks
+
+
+def excess_columns(completion: str, digits: int) -> int:
+    """Scratchpad column lines beyond the problem's `digits` columns: rechecks (or a column written twice)."""
+    return max(0, len(COLUMN_LINE.findall(completion)) - digits)
 
 
 def verify(completion: str, answer: str) -> bool:
