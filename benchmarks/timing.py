@@ -114,15 +114,16 @@ def time_methods(
 
         return wrapper
 
-    # DAPO collects a generation batch in a method of its own (rounds call TRL's through `super()`)
-    collect = "_collect_generation_batch" if hasattr(trainer, "_collect_generation_batch") else None
-    for name, method in [
-        ("generation", "_generate_single_turn"),
-        ("logps", "_get_per_token_logps_and_entropies"),
-        ("generate_and_score", collect or "_generate_and_score_completions"),
-        ("training_step", "training_step"),
+    # DAPO collects a generation batch in a method of its own (each round calls TRL's), and runs every logprob
+    # forward, its training passes' and TRL's, through its `passes` object
+    dapo = hasattr(trainer, "passes")
+    for owner, name, method in [
+        (trainer, "generation", "_generate_single_turn"),
+        (trainer.passes if dapo else trainer, "logps", "logprobs" if dapo else "_get_per_token_logps_and_entropies"),
+        (trainer, "generate_and_score", "_collect_generation_batch" if dapo else "_generate_and_score_completions"),
+        (trainer, "training_step", "training_step"),
     ]:
-        setattr(trainer, method, timed(name, getattr(trainer, method)))
+        setattr(owner, method, timed(name, getattr(owner, method)))
 
 
 def timed_call(function, *args, **kwargs) -> tuple[object, float]:

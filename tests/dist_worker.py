@@ -147,14 +147,14 @@ def accepted_rows(trainer: RecordingDAPOTrainer) -> list:
 
 def count_no_grad_forwards(trainer) -> list:
     """Each no-grad logprob forward the trainer runs (TRL's passes, the old policy's recomputation) is appended."""
-    calls, forward = [], trainer._get_per_token_logps_and_entropies
+    calls, forward = [], trainer.passes.logprobs
 
     def counted(*args, **kwargs):
         if not torch.is_grad_enabled():
             calls.append(1)
         return forward(*args, **kwargs)
 
-    trainer._get_per_token_logps_and_entropies = counted
+    trainer.passes.logprobs = counted
     return calls
 
 

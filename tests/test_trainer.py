@@ -669,7 +669,7 @@ def test_fp16_cannot_skip_a_step_and_says_so(tiny_model, tmp_path):
     no_rows = torch.zeros(0, 3, dtype=torch.long)
     empty = {"prompt_ids": no_rows, "prompt_mask": no_rows, "completion_ids": no_rows, "completion_mask": no_rows}
     with pytest.raises(ValueError, match="fp16's gradient scaler cannot step without gradients"):
-        trainer._micro_batches(empty)
+        trainer.passes.micro_batches(empty)
 
 
 def test_a_round_context_takes_one_generation_then_one_scoring():
@@ -750,14 +750,14 @@ def test_recompute_reuses_trls_pass_and_refreshes_surplus_rows(tiny_model, tmp_p
         tiny_model, tmp_path, reward=alternating, scripted=True, overlong_buffer_len=0, steps_per_generation=2,
         dynamic_sampling_oversample="2.0", max_steps=3, old_logprobs="recompute",
     )  # fmt: skip
-    forward = trainer._get_per_token_logps_and_entropies
+    forward = trainer.passes.logprobs
 
     def counted(model, input_ids, *args, **kwargs):
         if not torch.is_grad_enabled():
             no_grad_calls.append((trainer.state.global_step, input_ids.size(0)))
         return forward(model, input_ids, *args, **kwargs)
 
-    trainer._get_per_token_logps_and_entropies = counted
+    trainer.passes.logprobs = counted
     snapshots = Snapshots()
     trainer.add_callback(snapshots)
     trainer.train()
@@ -798,15 +798,15 @@ def test_every_rank_runs_each_recompute_pass_some_rank_needs(tiny_model, tmp_pat
         MicroBatch([second], [False], one, 3, StepMetrics(), True),
     ]
     forwarded = []
-    forward = trainer._get_per_token_logps_and_entropies
+    forward = trainer.passes.logprobs
 
     def counted(model, input_ids, *args, **kwargs):
         forwarded.append(input_ids.size(0))
         return forward(model, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", counted)
+    monkeypatch.setattr(trainer.passes, "logprobs", counted)
     monkeypatch.setattr(trainer.accelerator, "reduce", lambda tensor, reduction: torch.ones_like(tensor))
-    trainer._with_old_policy(micro_batches)
+    trainer.passes._with_old_policy(micro_batches)
     assert forwarded == [4, 1, 4]  # the first pass, the stand-in row, the second pass (stale on another rank)
     expected = teacher_forced_logprobs(trainer.model, batch) * mask
     old = torch.cat([first["old_per_token_logps"], second["old_per_token_logps"]])

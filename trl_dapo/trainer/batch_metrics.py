@@ -63,3 +63,16 @@ def trained_batch_metrics(
     metrics["reward_std"] = nanstd(rewards)
     metrics["frac_reward_zero_std"] = torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()
     return metrics
+
+
+def append_metrics(metrics: dict[str, list[float]], values: dict[str, float | torch.Tensor]) -> None:
+    """Append to TRL's metric lists (averaged per logging window by its `log`); values held on the device are read
+    back in one host synchronisation (each `.item()` would be one)."""
+    on_device = [name for name, value in values.items() if isinstance(value, torch.Tensor)]
+    read = (
+        dict(zip(on_device, torch.stack([values[n].float().reshape(()) for n in on_device]).tolist(), strict=True))
+        if on_device
+        else {}
+    )
+    for name, value in values.items():
+        metrics[name].append(float(read.get(name, value)))

@@ -32,6 +32,7 @@ from ..sampling.rollout_batch import (
     num_rows,
     rollout_logprobs,
 )
+from .batch_metrics import append_metrics
 
 # Keys TRL may return that carry nothing DAPO needs once the rollout logprobs are recorded.
 DROPPED_KEYS = ("num_items_in_batch", "sampling_per_token_logps", "importance_sampling_ratio")
@@ -213,14 +214,7 @@ class TRLRounds:
         names = self.trainer.reward_func_names
         if OVERLONG_REWARD_NAME in names:
             named["dapo/overlong_penalty_mean"] = batch["rewards"][:, names.index(OVERLONG_REWARD_NAME)].mean()
-        log_device_metrics(self.trainer._metrics["train"], named)
-
-
-def log_device_metrics(metrics: dict[str, list[float]], named: dict[str, torch.Tensor]) -> None:
-    """Append metrics held on the device, read back in one host synchronisation (each `.item()` would be one)."""
-    values = torch.stack([value.float().reshape(()) for value in named.values()]).tolist()
-    for name, value in zip(named, values, strict=True):
-        metrics[name].append(value)
+        append_metrics(self.trainer._metrics["train"], named)
 
 
 def round_scores(rewards: torch.Tensor, completion_ids: list[list[int]], ends: set[int], accelerator) -> RoundScores:
