@@ -17,10 +17,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Mistr
 
 from helpers import arithmetic_prompts, dapo_args, first_token_parity
 from trl_dapo import DAPOTrainer
-from trl_dapo.rollout import TokenSampling, select_rollout_engine
+from trl_dapo.rollout import TokenSampling
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
 from trl_dapo.rollout.weights import SUPPORTED_MODEL_TYPES
 from trl_dapo.testing import build_tiny_model
+from trl_dapo.trainer.engine_choice import select_rollout_engine
 
 
 @pytest.fixture(scope="module")
@@ -550,12 +551,12 @@ def test_an_unsupported_set_up_falls_back_to_trls_path_and_logs_why(unsupported_
     )
     assert trainer.rollout_engine is None
     trainer.args.rollout_engine = "auto"
-    with caplog.at_level(logging.INFO, logger="trl_dapo.rollout"):
+    with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.engine_choice"):
         assert select_rollout_engine(trainer) is None
     assert caplog.messages == ["rollout_engine='auto': no CUDA device, using TRL's generation path."]
     caplog.clear()
     monkeypatch.setattr(type(trainer.accelerator), "device", property(lambda accelerator: torch.device("cuda")))
-    with caplog.at_level(logging.INFO, logger="trl_dapo.rollout"):
+    with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.engine_choice"):
         assert select_rollout_engine(trainer) is None
     reason = "model type 'qwen3_moe' is not supported"
     assert caplog.messages == [f"rollout_engine='auto' falls back to TRL's generation path: {reason}."]

@@ -1,119 +1,17 @@
-"""The rollout engine: which generation path a DAPOTrainer uses, and the paged engine it builds."""
+"""The paged rollout engine: continuous batching over a paged KV cache, with CUDA graphs and a Triton decode kernel.
+Which generation path a trainer uses is the trainer's choice (`trl_dapo/trainer/engine_choice.py`)."""
 
 from __future__ import annotations
 
-import logging
-
-import torch
-
 from .paged_engine import GenerationOutput, PagedRolloutEngine, RolloutStats, RolloutStream
-from .sharded import is_zero3, parameter_gather
 from .token_sampling import TokenSampling
-from .weights import SUPPORTED_MODEL_TYPES, sliding_window
-
-logger = logging.getLogger(__name__)
-
-# generation_kwargs the engine honours; any other key sends generation back to TRL's path.
-SUPPORTED_GENERATION_KWARGS = {"min_new_tokens", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k"}
-
-
-def token_sampling(args) -> TokenSampling:
-    """The engine's sampling settings from a `DAPOConfig`; the head's logits take the precision the training forward's
-    do (`cast_lm_head_to_fp32`), so the two compute the same logprobs up to the layers' rounding."""
-    kwargs = args.generation_kwargs or {}
-    return TokenSampling(
-        max_new_tokens=kwargs.get("max_new_tokens", args.max_completion_length),
-        temperature=kwargs.get("temperature", args.temperature),
-        top_p=kwargs.get("top_p", args.top_p) or 1.0,
-        top_k=kwargs.get("top_k", args.top_k) or 0,
-        min_new_tokens=kwargs.get("min_new_tokens", 0),
-        greedy=kwargs.get("do_sample", True) is False,
-        fp32_logits=args.cast_lm_head_to_fp32,
-    )
-
-
-def why_settings_rule_out_engine(args, rollout_func, tools) -> str | None:
-    """Why the rollout engine cannot serve these settings whatever the model, or None: known before a model loads."""
-    checks = [
-        (args.use_vllm, "use_vllm=True: vLLM generates"),
-        (rollout_func is not None, "a rollout_func generates"),
-        (bool(tools), "tool calling needs TRL's multi-turn loop"),
-        (args.use_transformers_continuous_batching, "continuous batching was asked for"),
-        (args.min_p is not None or args.repetition_penalty != 1.0, "min_p / repetition_penalty"),
-        (bool(set(args.generation_kwargs or {}) - SUPPORTED_GENERATION_KWARGS), "unsupported generation_kwargs"),
-    ]
-    return next((reason for failed, reason in checks if failed), None)
-
-
-def unusable_engine(choice: str, reason: str) -> ValueError:
-    return ValueError(f"DAPOConfig.rollout_engine={choice!r} cannot be used here: {reason}.")
-
-
-def why_engine_cannot_serve(trainer) -> str | None:
-    """Why the rollout engine cannot serve this trainer's set-up, or None when it can."""
-    args = trainer.args
-    settings = why_settings_rule_out_engine(args, trainer.rollout_func, trainer.tools)
-    if settings is not None:
-        return settings
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
-    checks = [
-        (trainer._is_vlm, "multimodal model"),
-        (config.model_type not in SUPPORTED_MODEL_TYPES, f"model type {config.model_type!r} is not supported"),
-        (
-            sliding_window(config) is not None,
-            f"sliding-window attention (a window of {sliding_window(config)} tokens; the engine attends to the whole "
-            "context)",
-        ),
-        (
-            is_zero3(trainer) and not args.ds3_gather_for_generation,
-            "ds3_gather_for_generation=False asks for no full copy of the weights, which the engine keeps",
-        ),
-        (
-            trainer.is_fsdp_enabled and not trainer.accelerator.is_fsdp2,
-            "FSDP1 shards the weights (use fsdp_version 2)",
-        ),
-    ]
-    return next((reason for failed, reason in checks if failed), None)
-
-
-def select_rollout_engine(trainer) -> PagedRolloutEngine | None:
-    """The engine `rollout_engine` asks for ("auto": the paged engine on CUDA) when the set-up allows, else None."""
-    choice = trainer.args.rollout_engine
-    if choice == "trl":
-        return None
-    on_cuda = trainer.accelerator.device.type == "cuda"
-    if choice == "auto" and not on_cuda:
-        logger.info("rollout_engine='auto': no CUDA device, using TRL's generation path.")
-        return None
-    reason = why_engine_cannot_serve(trainer)
-    if reason is not None:
-        if choice != "auto":
-            raise unusable_engine(choice, reason)
-        logger.warning("rollout_engine='auto' falls back to TRL's generation path: %s.", reason)
-        return None
-    return PagedRolloutEngine(
-        trainer.accelerator.unwrap_model(trainer.model),
-        eos_token_ids=trainer.eos_token_ids,
-        pad_token_id=trainer._tokenizer.pad_token_id,
-        dtype=torch.bfloat16 if on_cuda else torch.float32,
-        cuda_graph=on_cuda,
-        memory_fraction=trainer.args.rollout_memory_fraction,
-        max_rows=trainer.args.rollout_max_rows,
-        show_progress=trainer.accelerator.is_main_process and not trainer.args.disable_tqdm,
-        device=trainer.accelerator.device,
-        gather=parameter_gather(trainer),
-    )
-
+from .weights import SUPPORTED_MODEL_TYPES
 
 __all__ = [
+    "SUPPORTED_MODEL_TYPES",
     "GenerationOutput",
     "PagedRolloutEngine",
     "RolloutStats",
     "RolloutStream",
     "TokenSampling",
-    "select_rollout_engine",
-    "token_sampling",
-    "unusable_engine",
-    "why_settings_rule_out_engine",
 ]

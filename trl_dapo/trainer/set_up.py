@@ -18,8 +18,8 @@ from torch import nn
 from trl.trainer.utils import get_callable_name, get_config_model_id, is_async_callable
 
 from ..rewards.overlong import OVERLONG_REWARD_NAME
-from ..rollout import unusable_engine, why_settings_rule_out_engine
 from .config import DAPOConfig
+from .engine_choice import unusable_engine, why_settings_rule_out_engine
 
 
 def reward_function_names(reward_funcs: Any, args: DAPOConfig) -> list[str]:

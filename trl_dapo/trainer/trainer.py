@@ -26,7 +26,7 @@ from trl import GRPOTrainer
 
 from ..integrity import RolloutIntegrityError, check_rewards, checked_reward_function
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
-from ..rollout import PagedRolloutEngine, select_rollout_engine, token_sampling
+from ..rollout import PagedRolloutEngine
 from ..sampling import (
     DynamicSamplingBuffer,
     filter_groups,
@@ -39,6 +39,7 @@ from ..sampling.rollout_batch import (
 from .batch_metrics import append_metrics, trained_batch_metric_names, trained_batch_metrics
 from .collect import EngineWeights, FilterMetric, make_collector
 from .config import DAPOConfig
+from .engine_choice import select_rollout_engine, token_sampling
 from .micro_batches import MicroBatch
 from .passes import TrainingPasses, set_up_padding_free
 from .round import TRLRounds, round_scores
