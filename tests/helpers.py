@@ -74,7 +74,7 @@ def launch_worker(script: str, processes: int, model: str, output: Path) -> None
 def trained_rows(trainer, micro_batches=None) -> dict:
     """The rows of `micro_batches` (default: the whole buffered generation batch) as one padded batch, in pass order
     (an empty pass's stand-in row left out)."""
-    from trl_dapo.sampling.rollout_batch import concat_rollouts
+    from trl_dapo.rollout_batch import concat_rollouts
 
     micro_batches = trainer._buffered_inputs if micro_batches is None else micro_batches
     passes = [

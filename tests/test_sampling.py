@@ -9,6 +9,7 @@ import torch
 from datasets import Dataset
 
 from trl_dapo.rewards import soft_overlong_penalty
+from trl_dapo.rollout_batch import concat_rollouts, select_rows, trim_padding
 from trl_dapo.sampling import (
     DynamicSamplingBuffer,
     DynamicSamplingLimitError,
@@ -19,7 +20,6 @@ from trl_dapo.sampling import (
     plan_round_groups,
     solve_rate,
 )
-from trl_dapo.sampling.rollout_batch import concat_rollouts, select_rows, trim_padding
 
 G = 2
 

@@ -16,8 +16,8 @@ from trl_dapo.data import arithmetic_dataset
 from trl_dapo.evaluation import MathAccuracyCallback
 from trl_dapo.integrity import RolloutIntegrityError
 from trl_dapo.rewards import soft_overlong_penalty
+from trl_dapo.rollout_batch import OLD_LOGPROBS_STEP
 from trl_dapo.sampling import DynamicSamplingLimitError
-from trl_dapo.sampling.rollout_batch import OLD_LOGPROBS_STEP
 from trl_dapo.testing import ScriptedRollout
 from trl_dapo.trainer.batch_metrics import trained_batch_metric_names
 from trl_dapo.trainer.collect import RoundProgress

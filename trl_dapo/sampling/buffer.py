@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..rollout_batch import RolloutBatch, concat_rollouts, num_rows, select_rows
 from .filters import GroupFilter, filter_groups
-from .rollout_batch import RolloutBatch, concat_rollouts, num_rows, select_rows
 from .stats import SamplingStats
 
 # One candidate round: given how many groups to generate and the round's index (0 = the first of this generation

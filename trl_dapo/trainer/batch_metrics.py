@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from trl.trainer.utils import nanstd
 
-from ..sampling.rollout_batch import RolloutBatch
+from ..rollout_batch import RolloutBatch
 
 COMPLETION_METRICS = (
     "completions/mean_length",

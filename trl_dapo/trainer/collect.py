@@ -29,8 +29,8 @@ from trl.data_utils import is_conversational
 
 from ..integrity import RolloutIntegrityError, check_rewards
 from ..rollout import PagedRolloutEngine
+from ..rollout_batch import OLD_LOGPROBS_STEP, RolloutBatch
 from ..sampling import DynamicSamplingBuffer, DynamicSamplingLimitError, GroupFilter, SamplingStats
-from ..sampling.rollout_batch import OLD_LOGPROBS_STEP, RolloutBatch
 from ..sampling.stream import GroupStream, StreamedGroup
 from .engine_choice import token_sampling
 from .round import StreamedRows, TRLRounds

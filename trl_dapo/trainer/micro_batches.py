@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling.rollout_batch import RolloutBatch, count_loss_tokens, select_rows, trim_padding
+from ..rollout_batch import RolloutBatch, count_loss_tokens, select_rows, trim_padding
 from .step_metrics import StepMetrics
 
 # [micro_batch][pass] -> row indices, for one rank

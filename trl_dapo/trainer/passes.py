@@ -20,7 +20,7 @@ from accelerate.utils import DistributedType
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from ..sampling.rollout_batch import OLD_LOGPROBS_STEP, RolloutBatch, count_loss_tokens, loss_mask
+from ..rollout_batch import OLD_LOGPROBS_STEP, RolloutBatch, count_loss_tokens, loss_mask
 from .batch_metrics import append_metrics
 from .loss import active_mean, dapo_policy_loss
 from .micro_batches import MicroBatch, split_generation_batch

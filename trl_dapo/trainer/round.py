@@ -21,7 +21,7 @@ from trl import GRPOTrainer
 
 from ..integrity import RolloutIntegrityError, check_completions, check_groups
 from ..rewards.overlong import OVERLONG_REWARD_NAME
-from ..sampling.rollout_batch import (
+from ..rollout_batch import (
     LOGPROB_KEYS,
     OLD_LOGPROBS_STEP,
     PADDED_KEYS,

@@ -27,14 +27,14 @@ from trl import GRPOTrainer
 from ..integrity import RolloutIntegrityError, check_rewards, checked_reward_function
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
 from ..rollout import PagedRolloutEngine
+from ..rollout_batch import (
+    RolloutBatch,
+    num_rows,
+)
 from ..sampling import (
     DynamicSamplingBuffer,
     filter_groups,
     make_prompt_stream,
-)
-from ..sampling.rollout_batch import (
-    RolloutBatch,
-    num_rows,
 )
 from .batch_metrics import append_metrics, trained_batch_metric_names, trained_batch_metrics
 from .collect import EngineWeights, FilterMetric, make_collector

@@ -1,4 +1,5 @@
-"""Row operations on a rollout batch (the dict TRL's `_generate_and_score_completions` returns, text-only keys).
+"""Row operations on a rollout batch, the dict TRL's `_generate_and_score_completions` returns (text-only keys): the
+batch format the trainer, the dynamic-sampling buffer and the integrity checks share.
 
 Dynamic sampling moves rows between candidate rounds, ranks and steps; these helpers keep the left-padded prompt
 side and the right-padded completion side consistent while doing so.
