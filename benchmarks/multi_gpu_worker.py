@@ -23,7 +23,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from benchmarks.timing import StepTimer, time_methods
 from benchmarks.workload import config_path, prompts, word_tokenizer
 from trl_dapo import DAPOConfig, DAPOTrainer
-from trl_dapo.testing import ScriptedRollout, build_tiny_model
+from trl_dapo.testing import ScriptedRollout
+from trl_dapo.tiny_model import build_tiny_model
 
 
 def varied_reward(completion_ids, **kwargs) -> list[float]:

@@ -17,7 +17,7 @@ from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from trl_dapo.testing import CHAT_TEMPLATE, build_tiny_model
+from trl_dapo.tiny_model import CHAT_TEMPLATE, build_tiny_model
 
 HERE = Path(__file__).parent
 EOS_TOKEN_ID, PAD_TOKEN_ID = 2, 0  # of the word tokenizer and of the tiny model's tokenizer alike

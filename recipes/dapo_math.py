@@ -23,7 +23,7 @@ from trl_dapo.data import arithmetic_dataset, load_math_dataset
 from trl_dapo.evaluation import MathAccuracyCallback
 from trl_dapo.reporting import format_summary, plot_training, summarize
 from trl_dapo.rewards.math import PROMPT_TEMPLATE, dapo_math_reward
-from trl_dapo.testing import build_tiny_model, supervised_warm_start
+from trl_dapo.tiny_model import build_tiny_model, supervised_warm_start
 from trl_dapo.trainer.set_up import check_set_up
 
 TEMPLATES = {"dapo": PROMPT_TEMPLATE, "plain": "{problem}"}

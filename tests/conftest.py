@@ -1,6 +1,6 @@
 import pytest
 
-from trl_dapo.testing import build_tiny_model
+from trl_dapo.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_dapo import DAPOConfig, DAPOTrainer
-from trl_dapo.testing import build_tiny_model
+from trl_dapo.tiny_model import build_tiny_model
 from trl_dapo.trainer.micro_batches import MicroBatch
 from trl_dapo.trainer.step_metrics import StepMetrics
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from trl_dapo.testing import build_tiny_model
+from trl_dapo.tiny_model import build_tiny_model
 from trl_dapo.trainer.packed_attention import (
     enable_packed_attention,
     forward_packed,

@@ -148,7 +148,7 @@ def test_a_row_with_an_empty_prompt_is_not_scored_from_the_row_before():
 def test_models_that_cannot_pack_say_why(tmp_path):
     """Eager attention, a multimodal model, a convolution layer between attention layers (LFM2: it would run across
     the packed rows), a sliding window, a family not checked."""
-    from trl_dapo.testing import build_tiny_model
+    from trl_dapo.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / "m")
     eager = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")

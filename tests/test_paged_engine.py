@@ -20,7 +20,7 @@ from trl_dapo import DAPOTrainer
 from trl_dapo.rollout import TokenSampling
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
 from trl_dapo.rollout.weights import SUPPORTED_MODEL_TYPES
-from trl_dapo.testing import build_tiny_model
+from trl_dapo.tiny_model import build_tiny_model
 from trl_dapo.trainer.engine_choice import select_rollout_engine
 
 

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trl_dapo import DAPOConfig
-from trl_dapo.testing import build_tiny_model
+from trl_dapo.tiny_model import build_tiny_model
 
 
 def parameter_sum(path: str) -> float:

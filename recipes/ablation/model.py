@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from trl_dapo.data.addition import draw_problem, draw_rechecks, to_dataset
-from trl_dapo.testing import build_tiny_model
+from trl_dapo.tiny_model import build_tiny_model
 
 from .config import StudyConfig
 from .evaluation import OVERALL, EvalSettings, evaluate
