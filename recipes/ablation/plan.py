@@ -34,7 +34,10 @@ WARM_START_EXPECTED_STEPS = 250  # the first study's longest warm start: the tim
 # path it costs far more than its launches, on the paged engine about the same (first H200 study, 2026-12-03: training
 # 2.9x and 1.0x GRPO's, where 1.5 for both had planned 1.4x and 0.6x)
 DYNAMIC_SAMPLING_GENERATION = {"trl": 3.2, "paged": 1.2}
-SHARED_DEVICE_SLOWDOWN = 0.25  # each further worker on the GPU slows every worker by this fraction (2026-12-03: 0.25)
+# each further worker on the GPU slows every worker by this fraction: 0.25 in the miniature (2026-12-03), 0.5 in the
+# paper regime (2026-12-04: a GRPO run took 137 s with 6 workers against 39 s planned alone, a check job 14.5 s with 5
+# against 5 s)
+SHARED_DEVICE_SLOWDOWN = 0.5
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)  # per process, outside the caching allocator's cap
