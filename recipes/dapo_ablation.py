@@ -26,6 +26,7 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+
 from ablation.check import check_config, format_check, summarize_check
 from ablation.config import REGIMES, StudyConfig, smoke
 from ablation.plan import MemoryPlanError, compare, estimate, format_plan, memory_plan, shared

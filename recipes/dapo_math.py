@@ -18,10 +18,10 @@ from pathlib import Path
 from accelerate import PartialState
 from trl import ModelConfig, TrlParser, get_peft_config
 
+from reporting import format_summary, plot_training, summarize
 from trl_dapo import DAPOConfig, DAPOTrainer
 from trl_dapo.data import arithmetic_dataset, load_math_dataset
 from trl_dapo.evaluation import MathAccuracyCallback
-from trl_dapo.reporting import format_summary, plot_training, summarize
 from trl_dapo.rewards.math import PROMPT_TEMPLATE, dapo_math_reward
 from trl_dapo.tiny_model import build_tiny_model, supervised_warm_start
 from trl_dapo.trainer.set_up import check_set_up

@@ -18,29 +18,28 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trl_dapo import DAPOConfig
-from trl_dapo.data import addition_splits
-from trl_dapo.data.addition import (
+from ablation import study
+from ablation.check import measure
+from ablation.config import MINIATURE, PAPER, StudyConfig, smoke
+from ablation.model import build_char_tokenizer, build_model, warm_start
+from ablation.plan import GIB, MemoryPlanError, memory_plan, parameter_count
+from ablation.report import crossing, spread, summarize, t_quantile, window_means
+from ablation.study import deal
+from ablation.task import (
     AdditionProblem,
+    addition_splits,
     bucket_of,
     check_buckets,
     draw_rechecks,
     excess_columns,
     verify,
 )
+from ablation.variants import VARIANTS, AdditionReward, run_order, trainer_setup
+from trl_dapo import DAPOConfig
+from trl_dapo.evaluation import _by_group, _first_eos_mask
 from trl_dapo.rewards import OverlongPenalty
 
 ROOT = Path(__file__).parent.parent
-sys.path.insert(0, str(ROOT / "recipes"))
-from ablation import study  # noqa: E402
-from ablation.check import measure  # noqa: E402
-from ablation.config import MINIATURE, PAPER, StudyConfig, smoke  # noqa: E402
-from ablation.evaluation import _by_bucket, _first_eos_mask  # noqa: E402
-from ablation.model import build_char_tokenizer, build_model, warm_start  # noqa: E402
-from ablation.plan import GIB, MemoryPlanError, memory_plan, parameter_count  # noqa: E402
-from ablation.report import crossing, spread, summarize, t_quantile, window_means  # noqa: E402
-from ablation.study import deal  # noqa: E402
-from ablation.variants import VARIANTS, AdditionReward, run_order, trainer_setup  # noqa: E402
 
 SMOKE = smoke(PAPER)
 
@@ -351,7 +350,7 @@ def test_summary_pairs_runs_by_seed_reads_the_targets_and_reports_failures():
 def test_evaluation_masks_and_bucket_means():
     completion = torch.tensor([[5, 1, 7, 1], [5, 6, 7, 8], [1, 0, 0, 0]])
     assert _first_eos_mask(completion, eos_token_id=1).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
-    assert _by_bucket([1.0, 0.0, 1.0, 1.0], ["a", "a", "b", "b"]) == {"a": 0.5, "all": 0.75, "b": 1.0}
+    assert _by_group([1.0, 0.0, 1.0, 1.0], ["a", "a", "b", "b"]) == {"a": 0.5, "all": 0.75, "b": 1.0}
 
 
 def test_study_config_rejects_bad_settings_and_round_trips(tmp_path):

@@ -10,12 +10,11 @@ import pytest
 import torch
 from trl import ModelConfig, TrlParser
 
+from dapo_math import RecipeConfig, ScriptArguments
 from helpers import free_port
-from trl_dapo.reporting import SUMMARY_METRICS
+from reporting import SUMMARY_METRICS
 
 ROOT = Path(__file__).parent.parent
-sys.path.insert(0, str(ROOT / "recipes"))
-from dapo_math import RecipeConfig, ScriptArguments  # noqa: E402
 
 CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
 

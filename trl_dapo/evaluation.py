@@ -1,15 +1,202 @@
-"""Held-out accuracy as the paper reports it: avg@k (mean accuracy over k samples per problem) and pass@k."""
+"""Held-out evaluation: avg@k (mean accuracy over k samples per problem) and pass@k, as the paper reports them.
+
+One loop generates and scores (`sample_and_score`); what a task checks is a function of a completion and its
+problem's row, so the math recipe and the ablation study share it. Two entry points call it:
+
+- `MathAccuracyCallback`: in training, every few optimizer steps, on this rank's share of the problems (the math
+  recipe);
+- `evaluate`: greedy and sampled accuracy per group of problems (the ablation's difficulty buckets) and the
+  mechanism metrics on the same samples (policy entropy, mean and longest response, the share cut at the limit, and
+  any share a task flags), reproducible under its own seed (the ablation study).
+"""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from accelerate.utils import gather_object
-from transformers import TrainerCallback
+from transformers import GenerationConfig, TrainerCallback
 from trl.models import unwrap_model_for_generation
 
 from .rewards.math import CORRECT, score_answer
+
+OVERALL = "all"
+ENTROPY_ROWS = 512  # rows per teacher-forced forward: its activations stay a fraction of the generation's cache
+
+Check = Callable[[str, Mapping[str, Any]], bool]  # (completion, its problem's row) -> whether it holds
+
+
+@dataclass
+class Scored:
+    """Completions of held-out problems, checked; with `mechanisms`, also measured."""
+
+    correct: list[list[bool]] = field(default_factory=list)  # per problem, per sample
+    flagged: dict[str, int] = field(default_factory=dict)  # per flag, the completions it held for
+    lengths: list[int] = field(default_factory=list)  # tokens up to and including the first end token
+    truncated: int = 0  # completions without an end token
+    entropy_sum: float = 0.0
+    tokens: int = 0
+
+
+def _first_eos_mask(completion: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """1 up to and including the first end token of each row (everything when there is none)."""
+    is_eos = completion == eos_token_id
+    after = is_eos.int().cumsum(dim=1) - is_eos.int()  # end tokens strictly before each position
+    return (after == 0).int()
+
+
+def _measure(model, tokenizer, inputs, output: torch.Tensor, samples: int, scored: Scored) -> None:
+    """Lengths, truncation and the policy's token entropy on its own completions (a teacher-forced forward in chunks
+    of `ENTROPY_ROWS`)."""
+    width = inputs["input_ids"].size(1)
+    completion = output[:, width:]
+    mask = _first_eos_mask(completion, tokenizer.eos_token_id)
+    attention = torch.cat([inputs["attention_mask"].repeat_interleave(samples, dim=0), mask], dim=1)
+    for row in range(0, output.size(0), ENTROPY_ROWS):
+        rows = slice(row, row + ENTROPY_ROWS)
+        logits = model(input_ids=output[rows], attention_mask=attention[rows]).logits[:, width - 1 : -1].float()
+        entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        scored.entropy_sum += float((entropy * mask[rows]).sum())
+    lengths = mask.sum(dim=1)
+    scored.tokens += int(lengths.sum())
+    scored.lengths += lengths.tolist()
+    scored.truncated += int((~(completion == tokenizer.eos_token_id).any(dim=1)).sum())
+
+
+@torch.no_grad()
+def sample_and_score(
+    model,
+    tokenizer,
+    prompts: list[str],
+    problems: Sequence[Mapping[str, Any]],
+    correct: Check,
+    samples: int,
+    problems_per_call: int,
+    device: torch.device,
+    flags: Mapping[str, Check] | None = None,
+    mechanisms: bool = False,
+    **generate_kwargs: Any,
+) -> Scored:
+    """`samples` completions of each prompt by `model.generate(**generate_kwargs)`, `problems_per_call` prompts
+    (left-padded) per call, each checked by `correct` and counted by every flag against its problem's row."""
+    flags = flags or {}
+    scored = Scored(flagged=dict.fromkeys(flags, 0))
+    for start in range(0, len(prompts), problems_per_call):
+        inputs = tokenizer(
+            prompts[start : start + problems_per_call],
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            add_special_tokens=False,
+        ).to(device)
+        output = model.generate(**inputs, **generate_kwargs)
+        if mechanisms:
+            _measure(model, tokenizer, inputs, output, samples, scored)
+        texts = tokenizer.batch_decode(output[:, inputs["input_ids"].size(1) :], skip_special_tokens=True)
+        for index, problem in enumerate(problems[start : start + problems_per_call]):
+            own = texts[index * samples : (index + 1) * samples]
+            scored.correct.append([correct(text, problem) for text in own])
+            for name, flag in flags.items():
+                scored.flagged[name] += sum(flag(text, problem) for text in own)
+    return scored
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    k: int  # samples per problem for avg@k and pass@k; 0: greedy only
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    max_rows: int  # rows of one generate call
+    seed: int
+    bf16: bool
+
+
+def _by_group(values: list[float], groups: list[str]) -> dict[str, float]:
+    """Mean per group and over all (`OVERALL`)."""
+    means: dict[str, list[float]] = defaultdict(list)
+    for value, group in zip(values, groups, strict=True):
+        means[group].append(value)
+        means[OVERALL].append(value)
+    return {name: sum(v) / len(v) for name, v in sorted(means.items())}
+
+
+def evaluate(
+    model,
+    tokenizer,
+    dataset,
+    settings: EvalSettings,
+    correct: Check,
+    group: str,
+    flags: Mapping[str, Check] | None = None,
+) -> dict[str, Any]:
+    """Greedy accuracy per value of the `group` column; with `k > 0` also avg@k, pass@k, and on the sampled
+    completions the policy's mean token entropy, their mean and longest length, the share cut at `max_new_tokens`
+    and the share each flag holds for. The dataset's `prompt` column is plain text.
+
+    Runs under `torch.random.fork_rng` with its own seed: its samples are reproducible and it leaves the training RNG
+    untouched, so how often a run is evaluated does not change what it trains on. With `bf16` it runs under bf16
+    autocast, as the trainers' models do once accelerate has wrapped them, so a model before training and the trained
+    ones are evaluated at the same precision."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    common = dict(
+        max_new_tokens=settings.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    prompts, problems, groups = list(dataset["prompt"]), list(dataset), list(dataset[group])
+
+    def run(samples: int, generation: GenerationConfig, mechanisms: bool) -> Scored:
+        per_call = max(1, settings.max_rows // samples)
+        return sample_and_score(
+            model,
+            tokenizer,
+            prompts,
+            problems,
+            correct,
+            samples,
+            per_call,
+            device,
+            flags=flags,
+            mechanisms=mechanisms,
+            generation_config=generation,
+        )
+
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast:
+        torch.manual_seed(settings.seed)
+        greedy = run(1, GenerationConfig(do_sample=False, **common), mechanisms=False)
+        metrics: dict[str, Any] = {"greedy": _by_group([float(c[0]) for c in greedy.correct], groups)}
+        if settings.k:
+            sampling = GenerationConfig(
+                do_sample=True,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                top_k=0,
+                num_return_sequences=settings.k,
+                **common,
+            )
+            sampled = run(settings.k, sampling, mechanisms=True)
+            completions = len(sampled.lengths)
+            metrics[f"avg@{settings.k}"] = _by_group([sum(c) / len(c) for c in sampled.correct], groups)
+            metrics[f"pass@{settings.k}"] = _by_group([float(any(c)) for c in sampled.correct], groups)
+            metrics["entropy"] = sampled.entropy_sum / max(sampled.tokens, 1)
+            metrics["mean_length"] = sum(sampled.lengths) / completions
+            metrics["max_length"] = max(sampled.lengths)
+            metrics["truncated"] = sampled.truncated / completions
+            metrics.update({name: count / completions for name, count in sampled.flagged.items()})
+    model.train(was_training)
+    return metrics
+
+
+def _math_correct(completion: str, problem: Mapping[str, Any]) -> bool:
+    return score_answer(completion, problem["answer"])[0] == CORRECT
 
 
 class MathAccuracyCallback(TrainerCallback):
@@ -50,42 +237,37 @@ class MathAccuracyCallback(TrainerCallback):
         if self.trainer._metrics["train"]:
             self.trainer.log({})  # flush the final numbers into the log history
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         trainer = self.trainer
         tokenizer = trainer.processing_class
         accelerator = trainer.accelerator
-        rows = list(range(accelerator.process_index, len(self.dataset), accelerator.num_processes))
-        counts: list[int] = []
+        rows = [
+            self.dataset[i] for i in range(accelerator.process_index, len(self.dataset), accelerator.num_processes)
+        ]
+        prompts = [
+            tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows
+        ]
         with unwrap_model_for_generation(trainer.model_wrapped, accelerator) as model:
             was_training = model.training
             model.eval()
-            for start in range(0, len(rows), self.batch_size):
-                batch = [self.dataset[i] for i in rows[start : start + self.batch_size]]
-                texts = [
-                    tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
-                    for r in batch
-                ]
-                inputs = tokenizer(
-                    texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
-                )
-                output = model.generate(
-                    **inputs.to(accelerator.device),
-                    do_sample=True,
-                    temperature=self.temperature,
-                    top_p=self.top_p,
-                    max_new_tokens=trainer.args.max_completion_length,
-                    num_return_sequences=self.k,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-                completions = tokenizer.batch_decode(
-                    output[:, inputs["input_ids"].size(1) :], skip_special_tokens=True
-                )
-                for index, row in enumerate(batch):
-                    samples = completions[index * self.k : (index + 1) * self.k]
-                    counts.append(sum(score_answer(text, row["answer"])[0] == CORRECT for text in samples))
+            scored = sample_and_score(
+                model,
+                tokenizer,
+                prompts,
+                rows,
+                _math_correct,
+                self.k,
+                self.batch_size,
+                accelerator.device,
+                do_sample=True,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                max_new_tokens=trainer.args.max_completion_length,
+                num_return_sequences=self.k,
+                pad_token_id=tokenizer.pad_token_id,
+            )
             model.train(was_training)
-        counts = [c for share in gather_object([counts]) for c in share]
+        counts = [c for share in gather_object([[sum(c) for c in scored.correct]]) for c in share]
         metrics = {
             "eval/accuracy": sum(counts) / max(len(counts) * self.k, 1),
             f"eval/pass@{self.k}": sum(c > 0 for c in counts) / max(len(counts), 1),

@@ -1,2 +1,2 @@
-"""The DAPO ablation study (run by `recipes/dapo_ablation.py`): config and regimes, model, evaluation, variants,
-workers, the regime check, plan and report."""
+"""The DAPO ablation study (run by `recipes/dapo_ablation.py`): config and regimes, the addition task and its scoring
+by the package's held-out evaluator, model, variants, workers, the regime check, plan and report."""

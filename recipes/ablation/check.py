@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
+from trl_dapo.evaluation import OVERALL
+
 from .config import StudyConfig
-from .evaluation import OVERALL
 from .model import build_model, load_tokenizer, warm_start
 from .study import model_dir, read_json, read_start, study_data, weights_digest, write_json
 from .variants import VARIANTS, build_trainer

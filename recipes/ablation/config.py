@@ -18,7 +18,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from trl_dapo.data.addition import Bucket, check_buckets
+from .task import Bucket, check_buckets
 
 
 @dataclass(frozen=True)

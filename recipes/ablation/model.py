@@ -17,11 +17,11 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from trl_dapo.data.addition import draw_problem, draw_rechecks, to_dataset
+from trl_dapo.evaluation import OVERALL, EvalSettings
 from trl_dapo.tiny_model import build_tiny_model
 
 from .config import StudyConfig
-from .evaluation import OVERALL, EvalSettings, evaluate
+from .task import draw_problem, draw_rechecks, evaluate_held_out, to_dataset
 
 ALPHABET = "0123456789+=\n :Answer"  # every character of the prompts and worked solutions
 PAD_TOKEN, EOS_TOKEN = "<pad>", "<eos>"
@@ -129,7 +129,7 @@ def warm_start(path: str | Path, config: StudyConfig, held_out_prompts: set[str]
             optimizer.zero_grad(set_to_none=True)
             step += 1
             if step % config.sft_check_every == 0 or step == config.sft_max_steps:
-                greedy = evaluate(model, tokenizer, probe, settings)["greedy"]
+                greedy = evaluate_held_out(model, tokenizer, probe, settings)["greedy"]
                 checks.append({"step": step, "loss": loss.item(), "probe_greedy": greedy})
                 print(
                     f"warm start step {step}: loss {loss.item():.3f}, probe greedy {greedy[OVERALL]:.3f}", flush=True

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+from trl_dapo.evaluation import ENTROPY_ROWS
+
 from .config import StudyConfig
 from .model import VOCAB_SIZE
 from .variants import variants_of
@@ -141,8 +143,6 @@ def memory_plan(config: StudyConfig, device_bytes: int, workers: int) -> dict:
     oversample = config.dynamic_sampling_max_oversample if any(v.dynamic_sampling for v in variants) else 1.0
     round_rows = math.ceil(config.generation_rows * oversample)
     eval_rows = max(1, config.eval_max_rows // config.eval_k) * config.eval_k
-    from .evaluation import ENTROPY_ROWS  # (evaluation imports nothing of the plan)
-
     activation_per_token = config.num_layers * (32 * config.hidden_size + 12 * config.intermediate_size)
     parts = {
         "training_state": params * 16,  # float32 weights, gradients, AdamW's two moments

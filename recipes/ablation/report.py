@@ -13,10 +13,10 @@ import math
 import statistics
 from pathlib import Path
 
-from trl_dapo.data.addition import bucket_label
+from trl_dapo.evaluation import OVERALL
 
 from .config import StudyConfig
-from .evaluation import OVERALL
+from .task import bucket_label
 from .variants import VARIANTS, variants_of
 
 BASELINE = VARIANTS[0].name

@@ -40,14 +40,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
-from trl_dapo.data.addition import addition_splits
+from trl_dapo.evaluation import EvalSettings
 
 from .config import StudyConfig
-from .evaluation import EvalSettings, HeldOutCurve, evaluate
 from .model import build_model, load_tokenizer, warm_start
 from .plan import estimate, memory_plan, shared
+from .task import addition_splits, evaluate_held_out
 from .variants import Variant, build_trainer, run_order, variant_named
 
 RECIPES = Path(__file__).resolve().parent.parent
@@ -161,7 +161,9 @@ def prepare_seed(config: StudyConfig, output: Path, seed: int) -> dict:
     else:
         model = AutoModelForCausalLM.from_pretrained(path).to(config.device)
         began = time.perf_counter()
-        record["start_point"] = evaluate(model, load_tokenizer(path), data["test"], eval_settings(config, seed))
+        record["start_point"] = evaluate_held_out(
+            model, load_tokenizer(path), data["test"], eval_settings(config, seed)
+        )
         record["step0_eval_s"] = time.perf_counter() - began
         del model
     moved = [
@@ -181,6 +183,41 @@ def prepare_seed(config: StudyConfig, output: Path, seed: int) -> dict:
     write_json(result_file(output, seed, START), record)
     print(f"[seed {seed}] start point in {record['warm_start']['seconds']:.1f} s", flush=True)
     return record
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class HeldOutCurve(TrainerCallback):
+    """Evaluates at `eval_steps` and stamps every optimizer step with the training wall-clock: seconds since training
+    began, evaluation time left out, so a variant's time axis is its training cost alone."""
+
+    def __init__(self, tokenizer, dataset, settings: EvalSettings, eval_steps: list[int], generated) -> None:
+        self.tokenizer, self.dataset, self.settings = tokenizer, dataset, settings
+        self.eval_steps = set(eval_steps) - {0}
+        self.generated = generated  # what the reward has counted (completions, tokens) so far
+        self.points: list[dict[str, Any]] = []
+        self.step_seconds: list[float] = []
+        self._start = self._excluded = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._start, self._excluded = time.perf_counter(), 0.0
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        device = next(model.parameters()).device
+        _synchronize(device)
+        elapsed = time.perf_counter() - self._start - self._excluded
+        self.step_seconds.append(elapsed)
+        if state.global_step in self.eval_steps:
+            began = time.perf_counter()
+            metrics = evaluate_held_out(model, self.tokenizer, self.dataset, self.settings)
+            _synchronize(device)
+            self._excluded += time.perf_counter() - began
+            self.points.append(
+                {"step": state.global_step, "wall_clock_s": elapsed, **self.generated.totals(), **metrics}
+            )
 
 
 def _reset_peak_memory() -> None:

@@ -24,10 +24,10 @@ from typing import Any
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_dapo import DAPOConfig, DAPOTrainer
-from trl_dapo.data.addition import excess_columns, verify
 from trl_dapo.rewards import OverlongPenalty
 
 from .config import StudyConfig
+from .task import excess_columns, verify
 
 ACCURACY = "accuracy"
 

@@ -1,4 +1,5 @@
-"""Multi-digit addition with a column-by-column scratchpad: an exact verifier and a difficulty knob.
+"""The study's task: multi-digit addition with a column-by-column scratchpad, an exact verifier and a difficulty
+knob, and how its held-out completions are scored (`evaluate_held_out`).
 
 A problem `a+b` is written as the prompt `"347+85\\n"`; its worked solution adds the columns right to left, writing
 the carry in, then the answer line the reference math reward reads:
@@ -23,12 +24,14 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from datasets import Dataset, DatasetDict
 
-from ..rewards.math import extract_answer
+from trl_dapo.evaluation import EvalSettings, evaluate
+from trl_dapo.rewards.math import extract_answer
 
 Bucket = tuple[int, int]  # inclusive range of difficulties (digits of the longer operand)
 COLUMN_LINE = re.compile(r"^\d\+\d\+\d=\d{1,2}$", re.MULTILINE)  # one scratchpad column, e.g. "7+5+0=12"
@@ -175,3 +178,17 @@ def addition_splits(
     test = [p for low, high in buckets for p in draw_unique(rng, test_per_bucket, low, high)]
     train = draw_unique(rng, num_train, min_digits, max_digits, exclude=test)
     return DatasetDict({"train": to_dataset(train, buckets), "test": to_dataset(test, buckets)})
+
+
+def _correct(completion: str, problem: Mapping[str, Any]) -> bool:
+    return verify(completion, problem["answer"])
+
+
+def _rechecks(completion: str, problem: Mapping[str, Any]) -> bool:
+    return excess_columns(completion, problem["digits"]) > 0
+
+
+def evaluate_held_out(model, tokenizer, dataset: Dataset, settings: EvalSettings) -> dict[str, Any]:
+    """The package's evaluator on this task: exact answers, accuracy per difficulty bucket, and beside the mechanism
+    metrics the share of sampled completions that recheck (`rechecked`)."""
+    return evaluate(model, tokenizer, dataset, settings, _correct, group="bucket", flags={"rechecked": _rechecks})

@@ -1,4 +1,8 @@
-"""End-of-run report: a per-step plot and a first-vs-last summary of the logged metrics."""
+"""The math recipe's end-of-run report: a per-step plot and a first-vs-last summary of the logged metrics.
+
+It lives beside `dapo_math.py`, its only user: the trainer and the evaluator log the metrics, and which of them a run's
+report shows (the recipe's accuracy, reward, sampling efficiency and length) is the recipe's choice, not the package's.
+"""
 
 from __future__ import annotations
 
