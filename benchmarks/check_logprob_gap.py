@@ -238,8 +238,9 @@ def measure(spec: str, args, device: str, dtype: torch.dtype, out: dict, save) -
     if device == "cuda":
         # The PyTorch reference reads the pages of the longest row at the last synchronisation: a CUDA graph would
         # freeze that at capture, so this engine decodes eagerly, with the same compiled layers.
-        engine = PagedRolloutEngine(model, cuda_graph=False, compile_decode=True, **common)
-        engine._use_triton = False
+        engine = PagedRolloutEngine(
+            model, cuda_graph=False, compile_decode=True, attention_kernel="reference", **common
+        )
         reference = {"reference_attention": (settings, contextlib.nullcontext)}
         samples.update(engine_samples(engine, prompts, reference, args, device, save, out))
         del engine

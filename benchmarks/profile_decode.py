@@ -110,7 +110,7 @@ def matrix_products(engine: PagedRolloutEngine, rows: int, bandwidth: float, cud
     down projection called as the decode step calls it (`down_bias`: with the zero bias the engine chose)."""
     snapshot, dtype = engine.snapshot, engine.dtype
     layer = snapshot.layers[0]
-    down_bias = engine._down_bias(slot_bucket(rows, engine.max_rows))
+    down_bias = engine.down_bias(slot_bucket(rows, engine.max_rows))
     result = {"down_bias": down_bias is not None}
     for key in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
         weight = layer[key]
@@ -130,7 +130,7 @@ def matrix_products(engine: PagedRolloutEngine, rows: int, bandwidth: float, cud
             F.linear(hidden, weights["qkv_weight"], weights["qkv_bias"])
             F.linear(hidden, weights["o_weight"])
             F.linear(hidden, weights["gate_up_weight"])
-            engine._down_projection(inner, weights, down_bias)
+            F.linear(inner, weights["down_weight"], down_bias)
         F.linear(hidden, snapshot.lm_head)
 
     weight_bytes = snapshot.lm_head.nbytes + sum(
@@ -165,9 +165,9 @@ def attention_and_head(engine: PagedRolloutEngine, rows: int, context: int, sett
         engine.cos[context - 1].expand(rows, dim).contiguous(),
         engine.sin[context - 1].expand(rows, dim).contiguous(),
     )
-    norm = engine._qk_norm(engine.snapshot.layers[0])
+    norm = engine.architecture.qk_norm(engine.snapshot.layers[0])
     new_token = (qkv, cos, sin, write, k_cache, v_cache, table, lengths, page, heads, norm, engine.eps)
-    if engine._use_triton:
+    if engine.attention_kernel == "triton":
         splits = num_splits(rows, kv_heads, device)
         attention = lambda: triton_decode_attention(*new_token, splits)  # noqa: E731
     else:
@@ -179,7 +179,7 @@ def attention_and_head(engine: PagedRolloutEngine, rows: int, context: int, sett
     draw_noise = lambda: sampling_noise(rows, engine.vocab_size, settings, device)  # noqa: E731
     noise = draw_noise()
     generated = torch.zeros(rows, dtype=torch.long, device=device)
-    head = lambda: engine._pick(hidden, engine.snapshot.lm_head, noise, settings, engine.stop_table, generated)  # noqa: E731
+    head = lambda: engine.sample_tokens(hidden, noise, settings, generated)  # noqa: E731
     return {
         "attention": {
             "us": seconds * 1e6,

@@ -13,13 +13,15 @@ import sys
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from helpers import arithmetic_prompts, dapo_args, first_token_parity
 from trl_dapo import DAPOTrainer
-from trl_dapo.rollout import TokenSampling
+from trl_dapo.rollout import SUPPORTED_MODEL_TYPES, TokenSampling
+from trl_dapo.rollout.architectures import BY_MODEL_TYPE
+from trl_dapo.rollout.architectures.llama import LlamaArchitecture
+from trl_dapo.rollout.architectures.qwen3 import Qwen3Architecture
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
-from trl_dapo.rollout.weights import SUPPORTED_MODEL_TYPES
 from trl_dapo.tiny_model import build_tiny_model
 from trl_dapo.trainer.engine_choice import select_rollout_engine
 
@@ -511,18 +513,32 @@ def test_the_engine_refuses_what_it_cannot_serve(tiny_model, tmp_path):
         )
 
 
-@pytest.mark.parametrize("config_class", [LlamaConfig, MistralConfig, Qwen3Config], ids=["llama", "mistral", "qwen3"])
-def test_every_supported_model_type_generates_what_generate_does(model_and_tokenizer, config_class):
-    """The tiny model is a Qwen2 (q/k/v biases, tied head); these have no biases, an untied head, and Qwen3's q/k
-    norms: greedy tokens equal `generate`'s and sampled logprobs a teacher-forced forward's."""
-    _, tokenizer = model_and_tokenizer
-    torch.manual_seed(0)
-    config = config_class(
+def tiny_config(config_class, tokenizer, **overrides):
+    settings = dict(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False,
     )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config).eval()
+    return config_class(**{**settings, **overrides})
+
+
+@pytest.mark.parametrize(
+    "config_class",
+    [LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config],
+    ids=["llama", "mistral", "qwen2", "qwen3"],
+)
+def test_every_supported_model_type_generates_what_generate_does(model_and_tokenizer, config_class):
+    """The tiny model is a Qwen2 (q/k/v biases, tied head); these have an untied head, Llama and Mistral no biases,
+    Qwen2 its q/k/v biases and Qwen3 its q/k norms: greedy tokens equal `generate`'s and sampled logprobs a
+    teacher-forced forward's. Biases and norm weights are drawn at random: initialised as zeros and ones, a bias or
+    norm the engine dropped or misplaced would go unseen."""
+    _, tokenizer = model_and_tokenizer
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(config_class, tokenizer)).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                parameter.add_(0.5 * torch.randn_like(parameter))
     assert model.config.model_type in SUPPORTED_MODEL_TYPES and not model.config.tie_word_embeddings
     batch = prompts(tokenizer)
     greedy = engine_for(model, tokenizer).generate(batch, TokenSampling(max_new_tokens=12, greedy=True))
@@ -533,6 +549,41 @@ def test_every_supported_model_type_generates_what_generate_does(model_and_token
     for prompt, completion, logps in zip(batch, sampled.completions, logprobs, strict=True):
         expected = teacher_forced_logprobs(model, prompt, completion, temperature=0.8)
         torch.testing.assert_close(logps, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_each_supported_model_type_is_served_by_its_architecture():
+    """The registry: Llama, Mistral and Qwen2 share one layout, Qwen3 adds its q/k norms."""
+    expected = {"llama": LlamaArchitecture, "mistral": LlamaArchitecture, "qwen2": LlamaArchitecture}
+    expected["qwen3"] = Qwen3Architecture
+    assert expected == BY_MODEL_TYPE
+    assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3")
+
+
+def test_the_engine_names_the_supported_model_types_when_it_refuses_one(unsupported_model, model_and_tokenizer):
+    _, tokenizer = model_and_tokenizer
+    model = AutoModelForCausalLM.from_pretrained(unsupported_model)
+    expected = r"the rollout engine supports \('llama', 'mistral', 'qwen2', 'qwen3'\), not 'qwen3_moe'\.$"
+    with pytest.raises(ValueError, match=expected):
+        engine_for(model, tokenizer)
+
+
+def test_a_llama_with_biases_the_engine_would_not_apply_is_refused(model_and_tokenizer):
+    """Llama's `attention_bias` also biases the output projection, and `mlp_bias` the MLP: the engine adds biases to
+    q/k/v only, so such a model would decode with other logprobs than its training forward's."""
+    _, tokenizer = model_and_tokenizer
+    for option in ("attention_bias", "mlp_bias"):
+        model = AutoModelForCausalLM.from_config(tiny_config(LlamaConfig, tokenizer, **{option: True}))
+        with pytest.raises(ValueError, match="applies biases to q/k/v only"):
+            engine_for(model, tokenizer)
+
+
+def test_the_attention_kernel_is_the_reference_off_cuda_and_triton_is_refused_there(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    assert engine_for(model, tokenizer).attention_kernel == "reference"
+    with pytest.raises(ValueError, match="attention_kernel='triton' needs a CUDA device"):
+        engine_for(model, tokenizer, attention_kernel="triton")
+    with pytest.raises(ValueError, match="must be one of"):
+        engine_for(model, tokenizer, attention_kernel="flash")
 
 
 @pytest.fixture(scope="module")

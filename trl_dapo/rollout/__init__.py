@@ -3,9 +3,9 @@ Which generation path a trainer uses is the trainer's choice (`trl_dapo/trainer/
 
 from __future__ import annotations
 
+from .architectures import SUPPORTED_MODEL_TYPES
 from .paged_engine import GenerationOutput, PagedRolloutEngine, RolloutStats, RolloutStream
 from .token_sampling import TokenSampling
-from .weights import SUPPORTED_MODEL_TYPES
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",

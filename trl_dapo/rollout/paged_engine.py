@@ -1,4 +1,4 @@
-"""A continuous-batching rollout engine over a paged KV cache for Llama-family models, returning sampled logprobs.
+"""A continuous-batching rollout engine over a paged KV cache for decoder-only models, returning sampled logprobs.
 
 DAPO's rollouts are long and uneven (lengths geometric-like up to tens of thousands of tokens), and dynamic sampling
 multiplies them. Decoding a static batch until its longest row ends wastes most of the work on finished rows, and a
@@ -15,8 +15,9 @@ cache preallocated at rows x maximum length runs out of memory. Here:
   projections and the sampling head are compiled with `torch.compile`.
 
 The weights are a bf16 snapshot of the training model (`weights.py`, LoRA merged), refreshed in place once per
-generation batch. The logprob of each sampled token is `log_softmax(logits / temperature)` (`sampling.py`): the old
-policy of the DAPO ratio.
+generation batch. What differs between model families (a layer's weight names, q/k norms, the MLP's activation, the
+rotary tables) is the model's architecture (`architectures/`); the layer loops here are shared. The logprob of each
+sampled token is `log_softmax(logits / temperature)` (`token_sampling.py`): the old policy of the DAPO ratio.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .architectures import architecture_for
 from .paged_attention import (
     num_splits,
     reference_decode_attention,
@@ -42,11 +44,12 @@ from .paged_attention import (
 )
 from .scheduler import Prefix, Scheduler
 from .token_sampling import TokenSampling, pick_tokens, sampling_noise, stop_table
-from .weights import WeightSnapshot, gather_nothing
+from .weights import WeightSnapshot, base_model, gather_nothing
 
 logger = logging.getLogger(__name__)
 
 MIN_SLOT_BUCKET = 8
+ATTENTION_KERNELS = ("triton", "reference")
 
 
 @dataclass
@@ -83,7 +86,14 @@ def slot_bucket(rows: int, max_rows: int) -> int:
 
 
 class PagedRolloutEngine:
-    """Generate completions and their logprobs for any number of prompts within a memory budget."""
+    """Generate completions and their logprobs for any number of prompts within a memory budget.
+
+    `attention_kernel` picks the decode attention: "triton" (CUDA; the default there when Triton is installed) or
+    "reference" (PyTorch's, the default elsewhere). Besides `generate` and `stream`, benchmarks read `architecture`
+    (the model family's `DecoderArchitecture`), `snapshot` (the weights; `snapshot.layers[i]` by the names
+    `architectures/base.py` lists), `attention_kernel`, `cos` / `sin` (rotary tables by position, built by the first
+    call), `down_bias` and `sample_tokens`.
+    """
 
     def __init__(
         self,
@@ -100,6 +110,7 @@ class PagedRolloutEngine:
         sync_every: int = 32,
         prefill_tokens: int = 16384,
         compile_decode: bool | None = None,
+        attention_kernel: str | None = None,
         show_progress: bool = False,
         device: torch.device | None = None,
         gather=gather_nothing,
@@ -108,7 +119,10 @@ class PagedRolloutEngine:
             raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1].")
         if max_rows < 1 or page_size < 1 or sync_every < 1 or prefill_tokens < 1:
             raise ValueError("max_rows, page_size, sync_every and prefill_tokens must be positive.")
-        self.snapshot = WeightSnapshot(model, dtype, device=device, gather=gather)
+        if attention_kernel not in (None, *ATTENTION_KERNELS):
+            raise ValueError(f"attention_kernel={attention_kernel!r} must be one of {ATTENTION_KERNELS} or None.")
+        self.architecture = architecture_for(base_model(model))
+        self.snapshot = WeightSnapshot(model, dtype, self.architecture, device=device, gather=gather)
         config = self.snapshot.config
         self.device, self.dtype, self.cuda_graph = self.snapshot.device, dtype, cuda_graph
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
@@ -123,7 +137,12 @@ class PagedRolloutEngine:
         self.stop_table = stop_table(self.eos_token_ids, self.vocab_size, self.device)
         self._rope_length = 0
         self.warm_steps: set[tuple] = set()  # (bucket, settings) whose decode step has run (compiled, kernels chosen)
-        self._use_triton = self.device.type == "cuda" and triton is not None
+        # decode attention: the Triton kernel on CUDA where installed, else the PyTorch reference (it reads the pages
+        # of the longest row at the last synchronisation, a length a CUDA graph would freeze at its capture)
+        triton_runs = self.device.type == "cuda" and triton is not None
+        if attention_kernel == "triton" and not triton_runs:
+            raise ValueError("attention_kernel='triton' needs a CUDA device and Triton installed.")
+        self.attention_kernel = attention_kernel or ("triton" if triton_runs else "reference")
         self._attention_inputs, self._decode_qkv, self._layer_output = self._qkv, self._normed_qkv, self._mlp
         self._final_norm, self._pick = self._residual_norm, pick_tokens
         self._down_biases: dict[int, torch.Tensor | None] = {}  # decode rows -> the down projection's bias argument
@@ -153,11 +172,6 @@ class PagedRolloutEngine:
     def _residual_norm(self, x, delta, weight: torch.Tensor) -> torch.Tensor:
         return self._rms_norm(x if delta is None else x + delta, weight)
 
-    @staticmethod
-    def _qk_norm(layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Qwen3's per-head q and k norm weights, or None."""
-        return (layer["q_norm"], layer["k_norm"]) if "q_norm" in layer else None
-
     def _normed_qkv(self, x, delta, layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The q/k/v projection (T, (heads + 2 kv_heads) head_dim) of tokens x + delta (T, hidden; `delta` the
         previous layer's MLP output, or None), and x + delta. The residual add of the previous layer is done here,
@@ -171,7 +185,8 @@ class PagedRolloutEngine:
         """Rotated q, k, v of tokens x + delta under their positions' rotary `cos`, `sin` (T, head_dim), and
         x + delta (see `_normed_qkv`); k and v are also written to cache `slots`."""
         qkv, x = self._normed_qkv(x, delta, layer)
-        q, k, v = rotated_heads(qkv, cos, sin, self.num_heads, self.num_kv_heads, self._qk_norm(layer), self.eps)
+        qk_norm = self.architecture.qk_norm(layer)
+        q, k, v = rotated_heads(qkv, cos, sin, self.num_heads, self.num_kv_heads, qk_norm, self.eps)
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
         return q, k, v, x
@@ -180,14 +195,13 @@ class PagedRolloutEngine:
         """After the output projection: the residual x + attention_out, and the MLP's input to its down projection
         (run outside, `_down_projection`; the next layer adds its output to the residual)."""
         x = x + attention_out
-        gate, up = F.linear(self._rms_norm(x, layer["post_norm"]), layer["gate_up_weight"]).chunk(2, dim=-1)
-        return x, F.silu(gate) * up
+        return x, self.architecture.mlp(self._rms_norm(x, layer["post_norm"]), layer)
 
     @staticmethod
     def _down_projection(hidden: torch.Tensor, layer: dict[str, torch.Tensor], bias: torch.Tensor | None = None):
         return F.linear(hidden, layer["down_weight"], bias)
 
-    def _down_bias(self, rows: int) -> torch.Tensor | None:
+    def down_bias(self, rows: int) -> torch.Tensor | None:
         """The bias the decode step's down projection is called with at `rows` rows: None, or zeros where that is
         faster. Given a bias, cuBLAS runs the product through cuBLASLt, whose split-K kernels read some long weights
         faster at decode rows and others slower (H200, 2026-12-03: Qwen2.5-7B's down projection at 64 rows 37.7 vs
@@ -225,10 +239,15 @@ class PagedRolloutEngine:
         if self._rope_length >= length:
             return
         length = max(length, getattr(self.snapshot.config, "max_position_embeddings", 0) or 0)
-        positions = torch.arange(length, device=self.device).unsqueeze(0)
-        probe = torch.zeros(1, device=self.device, dtype=torch.float32)
-        cos, sin = self.snapshot.rotary(probe, positions)
-        self.cos, self.sin, self._rope_length = cos[0].to(self.dtype), sin[0].to(self.dtype), length
+        cos, sin = self.architecture.rotary_tables(length, self.device)
+        self.cos, self.sin, self._rope_length = cos.to(self.dtype), sin.to(self.dtype), length
+
+    def sample_tokens(
+        self, hidden: torch.Tensor, noise: torch.Tensor | None, settings: TokenSampling, generated: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampling head as the decode step runs it (compiled where the decode step is): each row's next token
+        and its logprob from its final-norm hidden state, its `sampling_noise` and its tokens generated so far."""
+        return self._pick(hidden, self.snapshot.lm_head, noise, settings, self.stop_table, generated)
 
     # ---------------------------------------------------------------------------------------------- generate
 
@@ -520,9 +539,7 @@ class _Generation:
         hidden = torch.stack([self.hidden[index] for index in prefixes])
         generated = torch.from_numpy(scheduler.generated[rows]).to(device)
         noise = sampling_noise(len(rows), engine.vocab_size, self.settings, device)
-        token, logprob = engine._pick(
-            hidden, engine.snapshot.lm_head, noise, self.settings, engine.stop_table, generated
-        )
+        token, logprob = engine.sample_tokens(hidden, noise, self.settings, generated)
         row_index = torch.tensor(rows, dtype=torch.long, device=device)
         flat = row_index * self.max_new + generated
         self.out_tokens.view(-1).index_copy_(0, flat, token.to(torch.int32))
@@ -594,14 +611,15 @@ class _Generation:
         write = torch.where(active, page * page_size + positions % page_size, self.trash_slot)
         lengths = torch.where(active, positions + 1, 0).to(torch.int32)
         cos, sin = engine.cos[positions], engine.sin[positions]  # once per step, not per layer
-        splits = num_splits(bucket, engine.num_kv_heads, engine.device) if engine._use_triton else 0
-        down_bias = engine._down_bias(bucket)
+        use_triton = engine.attention_kernel == "triton"
+        splits = num_splits(bucket, engine.num_kv_heads, engine.device) if use_triton else 0
+        down_bias = engine.down_bias(bucket)
         x, delta = F.embedding(tokens, engine.snapshot.embed), None
         for layer, (k_cache, v_cache) in zip(engine.snapshot.layers, self.caches, strict=True):
             qkv, x = engine._decode_qkv(x, delta, layer)
-            heads, norm, eps = engine.num_heads, engine._qk_norm(layer), engine.eps
+            heads, norm, eps = engine.num_heads, engine.architecture.qk_norm(layer), engine.eps
             new_token = (qkv, cos, sin, write, k_cache, v_cache, table, lengths, page_size, heads, norm, eps)
-            if engine._use_triton:
+            if use_triton:
                 attention = triton_decode_attention(*new_token, splits)
             else:
                 attention = reference_decode_attention(*new_token, self.max_length)
@@ -610,7 +628,7 @@ class _Generation:
         hidden = engine._final_norm(x, delta, engine.snapshot.final_norm)
         noise = sampling_noise(bucket, engine.vocab_size, self.settings, engine.device)
         counts = generated.clone()  # not a view, as in `_start_rows`
-        token, logprob = engine._pick(hidden, engine.snapshot.lm_head, noise, self.settings, engine.stop_table, counts)
+        token, logprob = engine.sample_tokens(hidden, noise, self.settings, counts)
         flat = torch.where(active, rows * self.max_new + generated, self.dump_index)
         self.out_tokens.view(-1).index_copy_(0, flat, token.to(torch.int32))
         self.out_logprobs.view(-1).index_copy_(0, flat, logprob)
@@ -625,7 +643,7 @@ class _Generation:
         if not self.engine.cuda_graph:
             return lambda: self._decode_step(bucket)
         graph = self.graphs.get(bucket)
-        self.engine._down_bias(bucket)  # chosen before any capture (it times graphs of its own)
+        self.engine.down_bias(bucket)  # chosen before any capture (it times graphs of its own)
         # what the compiled code specialises on: the bucket and the settings the sampling head reads
         warm_key = (bucket, dataclasses.replace(self.settings, max_new_tokens=0))
         if graph is None and warm_key not in self.engine.warm_steps:

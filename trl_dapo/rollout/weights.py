@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+if TYPE_CHECKING:
+    from .architectures import DecoderArchitecture
 
 
 def sliding_window(config) -> int | None:
@@ -61,19 +63,23 @@ class WeightSnapshot:
     ZeRO-3 and FSDP2); the snapshot reads one module at a time inside it, and `sync` copies each module into the
     snapshot before the next is gathered, so the extra memory is the snapshot plus one module in flight. `device` is
     where the snapshot lives (default: the model's); a trainer's model may still be on the host when it is built.
+    `architecture` reads each decoder layer, under the names the engine and it read back (`architectures/base.py`).
     """
 
     def __init__(
-        self, model, dtype: torch.dtype, *, device: torch.device | None = None, gather=gather_nothing
+        self,
+        model,
+        dtype: torch.dtype,
+        architecture: DecoderArchitecture,
+        *,
+        device: torch.device | None = None,
+        gather=gather_nothing,
     ) -> None:
         base = base_model(model)
-        self.config = base.config
-        if self.config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"the rollout engine supports {SUPPORTED_MODEL_TYPES}, not {self.config.model_type!r}.")
+        self.config, self.architecture = base.config, architecture
         self.dtype, self.gather = dtype, gather
         self.device = torch.device(device) if device is not None else base.model.embed_tokens.weight.device
         self.tensors = {name: self._own(tensor) for weights in self._read(model) for name, tensor in weights.items()}
-        self.rotary = base.model.rotary_emb
         self.embed, self.final_norm = self.tensors["embed"], self.tensors["final_norm"]
         self.lm_head = self.tensors.get("lm_head", self.embed)
         self.layers = []
@@ -116,22 +122,5 @@ class WeightSnapshot:
                 yield {"lm_head": linear_weight(lm_head)[0].to(dtype)}
         for index, layer in enumerate(decoder.layers):
             with self.gather(layer):
-                yield self._read_layer(f"layers.{index}.", layer)
-
-    def _read_layer(self, prefix: str, layer) -> dict[str, torch.Tensor]:
-        attention, mlp, dtype = layer.self_attn, layer.mlp, self.dtype
-        qkv_weight, qkv_bias = cat_linear([attention.q_proj, attention.k_proj, attention.v_proj], dtype)
-        weights = {
-            prefix + "input_norm": layer.input_layernorm.weight.detach().to(dtype),
-            prefix + "post_norm": layer.post_attention_layernorm.weight.detach().to(dtype),
-            prefix + "qkv_weight": qkv_weight,
-            prefix + "o_weight": linear_weight(attention.o_proj)[0].to(dtype),
-            prefix + "gate_up_weight": cat_linear([mlp.gate_proj, mlp.up_proj], dtype)[0],
-            prefix + "down_weight": linear_weight(mlp.down_proj)[0].to(dtype),
-        }
-        if qkv_bias is not None:
-            weights[prefix + "qkv_bias"] = qkv_bias
-        if hasattr(attention, "q_norm"):  # Qwen3
-            weights[prefix + "q_norm"] = attention.q_norm.weight.detach().to(dtype)
-            weights[prefix + "k_norm"] = attention.k_norm.weight.detach().to(dtype)
-        return weights
+                weights = self.architecture.read_layer(layer, dtype)
+                yield {f"layers.{index}.{name}": tensor for name, tensor in weights.items()}
