@@ -60,14 +60,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch_worker(script: str, processes: int, model: str, output: Path) -> None:
-    """`accelerate launch` a worker of tests/ on CPU processes (gloo) with the model folder and an output path."""
+def launch_worker(script: str, processes: int, model: str, output: Path, timeout: int = 600) -> None:
+    """`accelerate launch` a worker of tests/ on CPU processes (gloo) with the model folder and an output path; a run
+    past `timeout` seconds (ranks waiting on each other) fails."""
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP),
         "--num_processes", str(processes), "--main_process_port", str(free_port()),
         str(TESTS / script), model, str(output),
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=TESTS, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=TESTS, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
 
 

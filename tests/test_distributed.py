@@ -147,6 +147,17 @@ def test_stream_mode_keeps_each_ranks_first_informative_groups_deterministically
 
 
 @pytest.mark.distributed
+def test_a_scoring_error_on_one_rank_stops_every_rank(tiny_model, tmp_path):
+    """Stream mode scores each group on its own rank: a reward function failing on rank 1 must not leave rank 0
+    waiting in the ranks' next agreement. Rank 1 raises its error, naming the group; rank 0 says rank 1 failed."""
+    launch_worker("stream_failure_worker.py", 2, tiny_model, tmp_path, timeout=300)
+    zero, one = (json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1))
+    assert one["type"] == "ValueError" and one["message"].startswith("no reward for prompt")
+    assert any("raised on rank 1 scoring the group of prompt [{'role': 'user'" in note for note in one["notes"]), one
+    assert zero["type"] == "RuntimeError" and "rank 1 failed scoring a group" in zero["message"], zero
+
+
+@pytest.mark.distributed
 def test_every_rank_can_build_and_load_the_tiny_model(tiny_model, tmp_path):
     """After `DAPOConfig` has set up the process group, transformers writes a model's files on rank 0 only: rank 1's
     own folder had no weights, and a folder shared by both ranks could be read before rank 0 had written it."""

@@ -16,9 +16,10 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
+from trl.chat_template_utils import qwen2_5_chat_template
 
 from trl_dapo import DAPOConfig, DAPOTrainer
-from trl_dapo.tiny_model import build_tiny_model
+from trl_dapo.tiny_model import build_tiny_model, build_tiny_tokenizer
 from trl_dapo.trainer.micro_batches import MicroBatch
 from trl_dapo.trainer.step_metrics import StepMetrics
 
@@ -307,13 +308,45 @@ def test_the_trl_hooks_dapo_relies_on_keep_their_signatures():
         assert plain_signature(getattr(GRPOTrainer, name)) == expected, f"GRPOTrainer.{name} changed"
 
 
-def test_trls_round_generates_once_then_scores_once(tmp_path):
-    """What DAPOTrainer's round context relies on in TRL 1.16 (`trainer/round.py`): one call of
-    `_generate_and_score_completions` calls `_generate_single_turn` once, then `_calculate_rewards` once. Recorded on
-    TRL's own trainer."""
-    calls = []
+def add(a: int, b: int) -> int:
+    """Add two integers.
 
-    class Recording(GRPOTrainer):
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>'
+
+
+def tool_calling_model(folder) -> str:
+    """The tiny model with a chat template TRL knows how to parse tool calls from (Qwen2.5's)."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = qwen2_5_chat_template
+    return build_tiny_model(folder, tokenizer=tokenizer)
+
+
+def call_the_tool_then_answer(trainer):
+    """The model's `generate`, scripted: a random tiny model never writes a tool call, so each prompt's first turn
+    calls `add` and the turn after the tool's result answers. TRL's own tool loop runs between the two."""
+    tokenizer = trainer.processing_class
+
+    def generate(input_ids, attention_mask=None, **kwargs):
+        replies = [
+            tokenizer("3<|im_end|>" if "<tool_response>" in tokenizer.decode(ids) else TOOL_CALL)["input_ids"]
+            for ids in input_ids.tolist()
+        ]
+        width = max(map(len, replies))
+        padded = [reply + [tokenizer.pad_token_id] * (width - len(reply)) for reply in replies]
+        return torch.cat([input_ids, torch.tensor(padded, device=input_ids.device)], dim=1)
+
+    return generate
+
+
+def recording(trainer_class: type[GRPOTrainer], calls: list[str]) -> type[GRPOTrainer]:
+    class Recording(trainer_class):
         def _generate_single_turn(self, *args, **kwargs):
             calls.append("generate")
             return super()._generate_single_turn(*args, **kwargs)
@@ -322,12 +355,57 @@ def test_trls_round_generates_once_then_scores_once(tmp_path):
             calls.append("score")
             return super()._calculate_rewards(*args, **kwargs)
 
-    settings = dict(max_completion_length=4, report_to="none", use_cpu=True, bf16=False, num_generations=4)
-    trainer = Recording(
-        model=build_tiny_model(tmp_path / "model"),
+    return Recording
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["plain", "tool-call"])
+def test_trls_round_generates_then_scores_once(tmp_path, tools):
+    """What DAPOTrainer's round context relies on in TRL 1.16 (`trainer/round.py`): one call of
+    `_generate_and_score_completions` calls `_generate_single_turn` once, again for each tool-calling turn, then
+    `_calculate_rewards` once. Recorded on TRL's own trainer."""
+    calls = []
+    settings = dict(report_to="none", use_cpu=True, bf16=False, num_generations=4)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=1,
+        max_completion_length=160 if tools else 4, **settings,
+    )  # fmt: skip
+    trainer = recording(GRPOTrainer, calls)(
+        model=tool_calling_model(tmp_path / "model") if tools else build_tiny_model(tmp_path / "model"),
         reward_funcs=text_length,
-        args=GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=1, **settings),
-        train_dataset=standard_prompts(),
+        args=args,
+        train_dataset=conversational_prompts() if tools else standard_prompts(),
+        tools=[add] if tools else None,
     )
+    if tools:
+        trainer.model.generate = call_the_tool_then_answer(trainer)
     trainer.train()
-    assert calls == ["generate", "score"]
+    assert calls == (["generate", "generate", "score"] if tools else ["generate", "score"])
+    if tools:
+        assert trainer.state.log_history[0]["tools/call_frequency"] == 1.0
+
+
+def alternating_rows(completions, **kwargs) -> list[float]:
+    """0, 1, 0, 1 down the rows: every group varies, whatever the (scripted, identical) completions."""
+    return [float(row % 2) for row in range(len(completions))]
+
+
+def test_a_round_with_a_tool_call_trains(tmp_path):
+    """With tools, TRL's loop generates once per turn within one round: DAPOTrainer trains on the whole conversation,
+    the tool's result outside the loss."""
+    calls = []
+    trainer = recording(DAPOTrainer, calls)(
+        model=tool_calling_model(tmp_path / "model"),
+        reward_funcs=alternating_rows,
+        args=compat_args(tmp_path / "run", max_completion_length=160, num_generations=4, per_device_train_batch_size=4,
+                         dynamic_sampling=False, use_cpu=True, bf16=False),
+        train_dataset=conversational_prompts(),
+        tools=[add],
+    )  # fmt: skip
+    trainer.model.generate = call_the_tool_then_answer(trainer)
+    train_and_check(trainer)
+    assert calls == ["generate", "generate", "score"]
+    (metrics,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert metrics["tools/call_frequency"] == 1.0
+    # the model wrote the call and the answer; the tool's result is not its tokens
+    answer = len(trainer.processing_class("3<|im_end|>")["input_ids"])
+    assert metrics["completions/mean_length"] == len(trainer.processing_class(TOOL_CALL)["input_ids"]) + answer

@@ -27,7 +27,7 @@ G = 2
 def test_filter_keeps_groups_whose_metric_varies():
     values = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, -1.0, 1.0, 0.5, math.nan, math.nan, math.nan])
     assert filter_groups(values, 2).tolist() == [False, True, False, True, False, False]
-    assert group_outcomes(values, 2) == {"qualified": 2, "all_correct": 2, "all_wrong": 2}
+    assert group_outcomes(values, 2, filter_groups) == {"qualified": 2, "all_correct": 2, "all_wrong": 2}
     assert solve_rate(values, 2) == pytest.approx(4 / 6)
 
 
@@ -69,7 +69,9 @@ def groups_of(batch) -> list[int]:
 
 
 def new_buffer(**overrides) -> DynamicSamplingBuffer:
-    settings = dict(num_generations=G, pad_token_id=0, max_num_gen_batches=5, max_surplus_age=1)
+    settings = dict(
+        num_generations=G, pad_token_id=0, keep_groups=filter_groups, max_num_gen_batches=5, max_surplus_age=1
+    )
     settings.update(overrides)
     return DynamicSamplingBuffer(**settings)
 

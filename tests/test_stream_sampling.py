@@ -9,7 +9,7 @@ import torch
 
 from helpers import arithmetic_prompts, dapo_args
 from trl_dapo import DAPOTrainer
-from trl_dapo.sampling import DynamicSamplingLimitError
+from trl_dapo.sampling import DynamicSamplingLimitError, filter_groups
 from trl_dapo.sampling.stream import GroupStream
 
 PROMPTS = 40
@@ -44,10 +44,13 @@ def stream_trainer(tiny_model, tmp_path, **overrides) -> RecordingTrainer:
         rollout_engine="paged", dynamic_sampling_mode="stream", rollout_max_rows=16,
         generation_kwargs={"min_new_tokens": 8},  # pinned lengths: groups end in the order they were admitted
     )  # fmt: skip
+    reward, extra = overrides.pop("reward_funcs", reward_by_prompt), {}
+    if "processing_class" in overrides:
+        extra["processing_class"] = overrides.pop("processing_class")
     args.update(overrides)
     trainer = RecordingTrainer(
-        model=tiny_model, reward_funcs=reward_by_prompt, args=dapo_args(tmp_path, **args),
-        train_dataset=arithmetic_prompts(PROMPTS),
+        model=tiny_model, reward_funcs=reward, args=dapo_args(tmp_path, **args),
+        train_dataset=arithmetic_prompts(PROMPTS), **extra,
     )  # fmt: skip
     trainer.record, trainer.surplus_tokens = [], []
     return trainer
@@ -171,8 +174,8 @@ def test_the_stream_admits_on_the_expected_yield_and_finishes_or_drops_what_is_i
         metric = torch.tensor([0.0, 1.0] if rows[0]["informative"] else [1.0, 1.0])
         return metric.unsqueeze(1), metric
 
-    stream = GroupStream(start, next_prompt, score, agree=lambda values: values, num_generations=2, world=1,
-                         in_flight=policy)  # fmt: skip
+    stream = GroupStream(start, next_prompt, score, agree=lambda values: values, num_generations=2, world=1, rank=0,
+                         keep_groups=filter_groups, in_flight=policy)  # fmt: skip
     outcome = stream.run(missing=2, budget=100)
     assert outcome.full and outcome.admitted_groups == 4
     assert [group.prompt_ids for group in outcome.kept] == ([[2], [3], [5]] if policy == "finish" else [[2], [3]])
@@ -201,7 +204,8 @@ def test_carried_groups_resume_in_the_next_stream_where_they_stopped():
         return GroupStream(
             start=lambda prompts, resumed: ScriptedStream(prompts, slots=4, resumed=resumed), next_prompt=next_prompt,
             score=lambda rows, ids, tokens: (torch.zeros(2, 1), torch.tensor([float(not rows[0]["informative"]), 1.0])),
-            agree=lambda values: values, num_generations=2, world=1, in_flight="carry",
+            agree=lambda values: values, num_generations=2, world=1, rank=0, keep_groups=filter_groups,
+            in_flight="carry",
         )  # fmt: skip
 
     first = stream_with(lambda: (lambda n, informative: ({"informative": informative}, [n]))(*next(script)))
@@ -230,7 +234,8 @@ def test_carry_fills_the_free_slots_while_groups_are_missing():
         start=lambda prompts, resumed: ScriptedStream(prompts, slots=4, resumed=resumed),
         next_prompt=lambda: (lambda length, informative: ({"informative": informative}, [length]))(*next(script)),
         score=lambda rows, ids, completions: (torch.zeros(2, 1), torch.tensor([float(not rows[0]["informative"]), 1.0])),
-        agree=lambda values: values, num_generations=2, world=1, in_flight="carry", fill_rows=4,
+        agree=lambda values: values, num_generations=2, world=1, rank=0, keep_groups=filter_groups,
+        in_flight="carry", fill_rows=4,
     )  # fmt: skip
     outcome = stream.run(missing=2, budget=100)
     assert outcome.full and outcome.admitted_groups == 3
@@ -241,7 +246,8 @@ def test_carry_fills_the_free_slots_while_groups_are_missing():
     assert (outcome.stats.generated_tokens, outcome.carried_tokens) == (20, 10)
     assert (outcome.stats.busy_slot_steps, outcome.stats.pool_slot_steps) == (20, 20)
     with pytest.raises(ValueError, match="only 'carry' keeps"):
-        GroupStream(None, None, None, None, num_generations=2, world=1, in_flight="finish", fill_rows=4)
+        GroupStream(None, None, None, None, num_generations=2, world=1, rank=0, keep_groups=filter_groups,
+                    in_flight="finish", fill_rows=4)  # fmt: skip
 
 
 def test_the_groups_in_flight_stay_within_their_cap():
@@ -252,7 +258,7 @@ def test_the_groups_in_flight_stay_within_their_cap():
         start=lambda prompts, resumed: ScriptedStream(prompts, slots=4, resumed=resumed),
         next_prompt=lambda: (lambda length, informative: ({"informative": informative}, [length]))(*next(script)),
         score=lambda rows, ids, completions: (torch.zeros(2, 1), torch.tensor([float(not rows[0]["informative"]), 1.0])),
-        agree=lambda values: values, num_generations=2, world=1,
+        agree=lambda values: values, num_generations=2, world=1, rank=0, keep_groups=filter_groups,
     )  # fmt: skip
     outcome = stream.run(missing=2, budget=100, max_in_flight=1)
     assert outcome.full and outcome.admitted_groups == 3
@@ -333,3 +339,55 @@ def test_stream_mode_names_what_it_needs(tiny_model, tmp_path):
             args=dapo_args(tmp_path, per_device_train_batch_size=8, dynamic_sampling_mode="stream",
                            rollout_engine="paged"),
         )  # fmt: skip
+
+
+def spread_by_prompt(completion_ids, index, **kwargs) -> list[float]:
+    """By prompt index modulo 3: 0, 1, 0, 1 within the group (std 0.58) for 1; 0, 0, 0, 1 (std 0.5) for 2; constant
+    for 0. DAPO's filter keeps the groups of 1 and 2; a threshold on the std between the two keeps those of 1 only."""
+    pattern = {0: (1.0,) * 4, 1: (0.0, 1.0, 0.0, 1.0), 2: (0.0, 0.0, 0.0, 1.0)}
+    return [pattern[i % 3][j % 4] for j, i in enumerate(index)]
+
+
+def std_above(threshold: float):
+    def keep(values: torch.Tensor, num_generations: int) -> torch.Tensor:
+        return values.view(-1, num_generations).std(dim=1) > threshold
+
+    return keep
+
+
+@pytest.mark.parametrize("mode", ["rounds", "stream"])
+def test_the_trainers_group_filter_decides_in_both_modes(tiny_model, tmp_path, monkeypatch, mode):
+    """The trainer hands its group filter in one place (its buffer), and both modes keep what it keeps: with a std
+    threshold, the groups of prompts 1 mod 3 only. Drawn in the order of the first test (4, 16, 21, 5, then 5, 36,
+    12, 17, 11, 18, 13, 30, 23, 34): DAPO's own filter would keep 4, 16, 5, 5."""
+    monkeypatch.setattr("trl_dapo.trainer.trainer.filter_groups", std_above(0.55))
+    trainer = stream_trainer(tiny_model, tmp_path, dynamic_sampling_mode=mode, reward_funcs=spread_by_prompt)
+    trainer.train()
+    ((_, batch, _),) = trainer.record
+    assert prompt_indices(trainer, batch) == [4, 16, 13, 34]
+
+
+def test_stream_mode_refuses_a_tokenizer_whose_completions_trl_parses(tiny_model, tmp_path):
+    """TRL parses completions with the tokenizer's response template or schema (`parse_response`) before the reward
+    functions see them; stream mode scores decoded text on its rank, so it refuses such a tokenizer at set-up rather
+    than score other completions than rounds mode would."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import add_response_schema, qwen2_5_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = qwen2_5_chat_template
+    tokenizer = add_response_schema(tokenizer)
+    with pytest.raises(ValueError, match=r"processing_class: the tokenizer has a response_(template|schema)"):
+        stream_trainer(tiny_model, tmp_path, processing_class=tokenizer)
+
+
+def test_log_extra_in_stream_mode_warns_once(tiny_model, tmp_path, caplog):
+    def logs_a_column(completion_ids, index, log_extra, **kwargs) -> list[float]:
+        log_extra("index", index)
+        return reward_by_prompt(completion_ids, index)
+
+    trainer = stream_trainer(tiny_model, tmp_path, reward_funcs=logs_a_column)
+    with caplog.at_level("WARNING", logger="trl_dapo"):
+        trainer.train()
+    assert caplog.text.count("log_extra columns are not logged in stream mode") == 1
+    assert "log_extra('index', ...)" in caplog.text

@@ -452,6 +452,31 @@ def test_the_filter_reads_the_metric_it_is_told(tiny_model, tmp_path, metric, we
     assert logged(trainer, "rewards/alternating_for_every_third_prompt/mean") == [0.5]
 
 
+def test_rollout_metrics_describe_the_trained_groups(tiny_model, tmp_path):
+    """`rollout_logprobs_mean`, `dapo/truncated_ratio` and `dapo/overlong_penalty_mean` cover the groups trained, not
+    the candidate rounds: derived here from the scripted rollout's own completions for the accepted prompts."""
+    varying = AlternatingForEveryThirdPrompt(num_generations=4)
+    trainer = make_trainer(
+        tiny_model, tmp_path, reward=varying, scripted=True, overlong_buffer_len=4, max_num_gen_batches=5, max_steps=1
+    )
+    trainer.train()
+    assert any(i % 3 for i in varying.groups)  # some candidate groups were filtered out
+    script, eos = trainer.rollout_func, trainer.processing_class.eos_token_id
+    batch = trained_rows(trainer)
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"], strict=True)]
+    rows = [script.completion(prompt, index) for prompt in prompts[::4] for index in range(4)]
+    assert len(rows) == 8  # the two accepted groups
+    tokens = sum(len(ids) for ids, _ in rows)
+    lengths = torch.tensor([len(ids) for ids, _ in rows])
+    expected = {
+        "rollout_logprobs_mean": sum(sum(logps) for _, logps in rows) / tokens,
+        "dapo/truncated_ratio": sum(ids[-1] != eos for ids, _ in rows) / len(rows),
+        "dapo/overlong_penalty_mean": soft_overlong_penalty(lengths, 8, 4).mean().item(),
+    }
+    for name, value in expected.items():
+        assert logged(trainer, name) == [pytest.approx(value, abs=1e-6)], name
+
+
 def alternating(completion_ids, **kwargs) -> list[float]:
     """0, 1, 0, 1 down the rows: every group varies."""
     return [float(row % 2) for row in range(len(completion_ids))]
@@ -672,22 +697,34 @@ def test_fp16_cannot_skip_a_step_and_says_so(tiny_model, tmp_path):
         trainer.passes.micro_batches(empty)
 
 
-def test_a_round_context_takes_one_generation_then_one_scoring():
-    """The order of TRL's hooks within one round is what DAPOTrainer relies on: generation after scoring, or either
-    twice, is an error rather than a stale read."""
+def test_a_round_context_takes_its_generations_then_one_scoring():
+    """The order of TRL's hooks within one round is what DAPOTrainer relies on: the engine's (or the stream's) rows
+    are the round's one generation; TRL's path may generate again (a tool-calling turn); every generation comes before
+    the one scoring. Anything else is an error rather than a stale read."""
     scores = RoundScores(torch.zeros(2, 1), torch.ones(2), torch.zeros(2, dtype=torch.bool))
     context = RoundContext()
     context.record_generation(torch.zeros(2, 3), (4, 5, 6))
     with pytest.raises(RuntimeError, match="generated twice within one round"):
-        context.record_generation()
+        context.record_generation(torch.zeros(2, 3))
+    with pytest.raises(RuntimeError, match="after the rollout engine's"):
+        context.record_trl_generation()
     context.record_scores(scores)
     with pytest.raises(RuntimeError, match="scored a round twice"):
         context.record_scores(scores)
     assert context.engine_counts == (4, 5, 6) and context.scores is scores
+    turns = RoundContext()  # TRL's path with tools: a generation per turn, then the scoring
+    turns.record_trl_generation()
+    turns.record_trl_generation()
+    with pytest.raises(RuntimeError, match="generated twice within one round"):
+        turns.record_generation(torch.zeros(2, 3))
+    turns.record_scores(scores)
+    with pytest.raises(RuntimeError, match="after scoring the round"):
+        turns.record_trl_generation()
+    assert turns.generations == 2
     scored_first = RoundContext()  # a rollout_func generates without the hook: scoring alone is seen
     scored_first.record_scores(scores)
     with pytest.raises(RuntimeError, match="or after scoring it"):
-        scored_first.record_generation()
+        scored_first.record_generation(torch.zeros(2, 3))
 
 
 def teacher_forced_logprobs(model, batch) -> torch.Tensor:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from ..rollout_batch import RolloutBatch, concat_rollouts, num_rows, select_rows
-from .filters import GroupFilter, filter_groups
+from .filters import GroupFilter
 from .stats import SamplingStats
 
 # One candidate round: given how many groups to generate and the round's index (0 = the first of this generation
@@ -51,19 +51,20 @@ def plan_round_groups(
 
 class DynamicSamplingBuffer:
     """Collect informative groups over candidate rounds it sizes itself; keep the surplus (with its birth step) for
-    later generation batches."""
+    later generation batches. `keep_groups` decides which groups are informative, in rounds and, handed on by the
+    collector, in the stream."""
 
     def __init__(
         self,
         num_generations: int,
         pad_token_id: int,
+        keep_groups: GroupFilter,
         max_num_gen_batches: int = 10,
         on_limit: str = "train_on_partial",
         keep_surplus: bool = True,
         max_surplus_age: int = 1,
         oversample: str = "1.0",
         max_oversample: float = 4.0,
-        keep_groups: GroupFilter = filter_groups,
     ) -> None:
         self.num_generations = num_generations
         self.keep_groups = keep_groups

@@ -2,8 +2,9 @@
 
 A group whose filter metric is the same for every sample has zero advantage for all of them: it adds tokens to the
 token-mean's denominator but nothing to the gradient. DAPO drops such groups (std > 0 keeps a group). A filter is any
-`GroupFilter`, handed to the buffer and the stream: `filter_groups` is DAPO's, the one place to swap in another (a
-threshold on the standard deviation of a continuous reward, say).
+`GroupFilter`, given to the buffer, which decides with it in rounds and hands it to the stream: `filter_groups` is
+DAPO's, and the trainer passes it there once, the one place to swap in another (a threshold on the standard deviation
+of a continuous reward, say). No filter has a default: one left out is an error, not DAPO's filter in its place.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def filter_groups(values: torch.Tensor, num_generations: int) -> torch.Tensor:
     return (valid.sum(dim=1) >= 2) & (high > low)
 
 
-def group_outcomes(values: torch.Tensor, num_generations: int, keep: GroupFilter = filter_groups) -> dict[str, int]:
+def group_outcomes(values: torch.Tensor, num_generations: int, keep: GroupFilter) -> dict[str, int]:
     """Counts of kept groups, and of filtered ones split into all-correct (common value > 0) and all-wrong."""
     grouped = _grouped(values, num_generations)
     kept = keep(values, num_generations)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .filters import GroupFilter, filter_groups, group_outcomes, solve_rate
+from .filters import GroupFilter, group_outcomes, solve_rate
 
 
 @dataclass
@@ -67,9 +67,7 @@ class SamplingStats:
             "dapo/partial_batch": float(self.partial),
         }
 
-    def count_groups(
-        self, metric: torch.Tensor, num_generations: int, keep: GroupFilter = filter_groups
-    ) -> torch.Tensor:
+    def count_groups(self, metric: torch.Tensor, num_generations: int, keep: GroupFilter) -> torch.Tensor:
         """Count a scored batch of groups (per-row filter metric, on the host); return which groups `keep` keeps."""
         outcomes = group_outcomes(metric, num_generations, keep)
         groups = metric.numel() // num_generations

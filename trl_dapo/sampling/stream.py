@@ -11,9 +11,10 @@ group holds its slots until its longest sample ends, and without filling the slo
 
 Across ranks each one streams its own prompts (its share of the dataloader batch, then every `world`-th prompt of
 the extra-prompt stream) and they agree every `sync_every` engine synchronisations, with one small all-reduce, on the
-global counts: when to admit more, and when the batch is full. Every decision reads only those counts and the rank's
-own rows in flight at a synchronisation (a function of its sampled tokens), so the kept groups are a function of the
-seed and the number of ranks, never of timing. Nothing here imports the trainer.
+global counts: when to admit more, when the batch is full, and whether a rank's scoring failed (a flag per rank among
+the counts, so every rank stops at that agreement instead of waiting in the next). Every decision reads only those
+counts and the rank's own rows in flight at a synchronisation (a function of its sampled tokens), so the kept groups
+are a function of the seed and the number of ranks, never of timing. Nothing here imports the trainer.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .filters import GroupFilter, filter_groups
+from .filters import GroupFilter
 from .stats import SamplingStats
 
 IN_FLIGHT_POLICIES = ("finish", "drop", "carry")
@@ -103,11 +104,12 @@ class GroupStream:
         agree: AgreeSum,
         num_generations: int,
         world: int,
+        rank: int,
+        keep_groups: GroupFilter,
         sync_every: int = 1,
         in_flight: str = "finish",
         prior: tuple[float, float] = (0.0, 0.0),
         fill_rows: int = 0,
-        keep_groups: GroupFilter = filter_groups,
     ) -> None:
         if in_flight not in IN_FLIGHT_POLICIES:
             raise ValueError(f"in_flight={in_flight!r}: use one of {IN_FLIGHT_POLICIES}.")
@@ -116,7 +118,7 @@ class GroupStream:
                 f"fill_rows={fill_rows} with in_flight={in_flight!r}: filling the slots beyond the deficit leaves rows "
                 "in flight at the end, which only 'carry' keeps; use in_flight='carry' or fill_rows=0."
             )
-        self.keep_groups = keep_groups
+        self.rank, self.keep_groups = rank, keep_groups
         self.fill_rows = fill_rows  # the rank's decode slots to keep busy while groups are missing (0: deficit only)
         self.start, self.next_prompt, self.score, self.agree = start, next_prompt, score, agree
         self.num_generations, self.world, self.sync_every, self.in_flight = (
@@ -166,6 +168,7 @@ class GroupStream:
         row_group: dict[int, tuple[int, int]] = {}  # stream row -> (group id, sample index)
         stream = None
         finished: list[StreamedGroup] = []
+        failures: list[Exception] = []  # this rank's scoring error: every rank stops at the next agreement
         resumed_tokens = 0  # tokens of carried rows sampled before this call (the stream counts them again)
 
         def enter(groups: list[CarriedGroup]) -> None:
@@ -198,6 +201,8 @@ class GroupStream:
                 enter([CarriedGroup.fresh(row, ids, G) for row, ids in drawn])
 
         def collect(ended: list[int]) -> None:
+            if failures:
+                return
             done = []
             for row in ended:
                 group, sample = row_group.pop(row)
@@ -209,7 +214,14 @@ class GroupStream:
                 entry = pending.pop(group)
                 carried_group = _merged(entry, stream)
                 rows, prompt_ids, tokens = carried_group.rows, carried_group.prompt_ids, carried_group.tokens
-                rewards, metric = self.score(rows, prompt_ids, tokens)
+                try:
+                    rewards, metric = self.score(rows, prompt_ids, tokens)
+                except Exception as error:
+                    error.add_note(
+                        f"stream mode: raised on rank {self.rank} scoring the group of prompt {_shown(rows[0])}"
+                    )
+                    failures.append(error)
+                    return
                 metric = metric.detach().float().cpu()
                 earlier = entry["group"].earlier_tokens
                 if bool(outcome.stats.count_groups(metric, G, self.keep_groups)[0]):
@@ -238,10 +250,12 @@ class GroupStream:
             steps += 1
             if steps % self.sync_every:
                 continue
-            kept, flying, scored, qualified, admitted, idle = self.agree(
+            agreed = self.agree(
                 [len(finished), len(pending), outcome.stats.generated_groups, outcome.stats.qualified_groups,
-                 outcome.admitted_groups, float(stream.idle)]
+                 outcome.admitted_groups, float(stream.idle), *self._failure_flags(failures)]
             )  # fmt: skip
+            kept, flying, scored, qualified, admitted, idle = agreed[:6]
+            self._stop_if_any_failed(agreed[6:], failures, stream)
             if kept >= missing:
                 outcome.full = True
                 break
@@ -255,8 +269,9 @@ class GroupStream:
             elif idle == self.world and not flying:
                 admit(1)  # nothing in flight and the estimate says enough: the estimate was wrong, keep going
         if self.in_flight == "finish":
-            while not stream.idle:
+            while not stream.idle and not failures:
                 collect(stream.step())
+            self._stop_if_any_failed(self.agree(self._failure_flags(failures)), failures, stream)
         elif self.in_flight == "carry":
             outcome.carried = [_merged(entry, stream) for entry in pending.values()]
         else:
@@ -270,6 +285,30 @@ class GroupStream:
         outcome.stats.prefill_tokens = engine.prefill_tokens
         outcome.kept = finished
         return outcome
+
+    def _failure_flags(self, failures: list[Exception]) -> list[float]:
+        """One flag per rank, set at this rank's place if its scoring failed: summed over ranks, who failed."""
+        return [float(bool(failures) and rank == self.rank) for rank in range(self.world)]
+
+    def _stop_if_any_failed(self, flags: list[float], failures: list[Exception], stream) -> None:
+        """Every rank stops together once any rank's scoring failed (the others would wait in the next agreement):
+        the failing rank raises its error, which names the group, the others say which rank failed."""
+        failed = [rank for rank, flag in enumerate(flags) if flag]
+        if not failed:
+            return
+        stream.close()
+        if failures:
+            raise failures[0]
+        raise RuntimeError(
+            f"stream mode: rank {', '.join(map(str, failed))} failed scoring a group (its error is raised there); "
+            "every rank stops."
+        )
+
+
+def _shown(row: dict[str, Any], limit: int = 200) -> str:
+    """A group's prompt for an error message, cut to `limit` characters."""
+    text = repr(row.get("prompt"))
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _merged(entry: dict, stream) -> CarriedGroup:

@@ -1,9 +1,11 @@
-"""TRL's completion and reward metrics, computed for the batch that is trained rather than for a candidate round.
+"""Metrics of the batch that is trained rather than of a candidate round: TRL's completion and reward metrics, and
+DAPO's rollout metrics.
 
-TRL logs them inside `_generate_and_score_completions`, once per call: with dynamic sampling that is once per
+TRL logs its own inside `_generate_and_score_completions`, once per call: with dynamic sampling that is once per
 candidate round, filtered groups included. DAPOTrainer removes those entries and logs these instead, with the same
 names and definitions (TRL 1.16, `sum_then_normalize` aggregation with per-group statistics, the only one dynamic
-sampling allows), over the accepted groups.
+sampling allows), over the accepted groups. DAPO's rollout metrics (`rollout_metrics`) are computed once per
+generation batch over the same rows, whatever the mode.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import torch
 from trl.trainer.utils import nanstd
 
-from ..rollout_batch import RolloutBatch
+from ..rewards.overlong import OVERLONG_REWARD_NAME
+from ..rollout_batch import RolloutBatch, loss_mask, rollout_logprobs
 
 COMPLETION_METRICS = (
     "completions/mean_length",
@@ -62,6 +65,20 @@ def trained_batch_metrics(
     metrics["reward"] = torch.nanmean(rewards)
     metrics["reward_std"] = nanstd(rewards)
     metrics["frac_reward_zero_std"] = torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()
+    return metrics
+
+
+def rollout_metrics(batch: RolloutBatch, reward_func_names: list[str]) -> dict[str, torch.Tensor]:
+    """DAPO's metrics of the rollout for a global batch, as device scalars: the mean logprob of the trained tokens
+    under the policy that sampled them, the share of completions cut at the length limit, the mean overlong penalty."""
+    mask = loss_mask(batch)
+    metrics = {
+        "rollout_logprobs_mean": (rollout_logprobs(batch) * mask).sum() / mask.sum().clamp(min=1),
+        "dapo/truncated_ratio": batch["truncated"].float().mean(),
+    }
+    if OVERLONG_REWARD_NAME in reward_func_names:
+        column = reward_func_names.index(OVERLONG_REWARD_NAME)
+        metrics["dapo/overlong_penalty_mean"] = batch["rewards"][:, column].mean()
     return metrics
 
 

@@ -9,8 +9,9 @@
   last row ends (`sampling/stream.py`), then the kept groups through TRL's method as rows already generated and
   scored.
 
-Every round goes through `TRLRounds` (`round.py`); which groups count as informative is one `GroupFilter`, handed to
-the buffer and the stream.
+Every round goes through `TRLRounds` (`round.py`); which groups count as informative is one `GroupFilter`, the
+buffer's, which `StreamedGroups` hands to the stream; the stream scores each group with a `GroupScorer`
+(`scoring.py`).
 """
 
 from __future__ import annotations
@@ -25,15 +26,15 @@ from typing import Any, Protocol
 import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
-from trl.data_utils import is_conversational
 
-from ..integrity import RolloutIntegrityError, check_rewards
+from ..integrity import RolloutIntegrityError
 from ..rollout import PagedRolloutEngine
 from ..rollout_batch import OLD_LOGPROBS_STEP, RolloutBatch
-from ..sampling import DynamicSamplingBuffer, DynamicSamplingLimitError, GroupFilter, SamplingStats
+from ..sampling import DynamicSamplingBuffer, DynamicSamplingLimitError, SamplingStats
 from ..sampling.stream import GroupStream, StreamedGroup
 from .engine_choice import token_sampling
 from .round import StreamedRows, TRLRounds
+from .scoring import FilterMetric, GroupScorer
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +44,6 @@ UNKNOWN_SIZE_STREAM_BATCHES = 16
 
 class Collector(Protocol):
     def collect(self, inputs: list[dict[str, Any]], step: int) -> tuple[RolloutBatch, SamplingStats | None]: ...
-
-
-class FilterMetric:
-    """What dynamic sampling filters a row on: one reward function's column (`column`), or the weighted total."""
-
-    def __init__(self, column: int | None, reward_weights: torch.Tensor) -> None:
-        self.column, self.reward_weights = column, reward_weights
-
-    def __call__(self, rewards: torch.Tensor) -> torch.Tensor:
-        if self.column is None:
-            return (rewards * self.reward_weights.to(rewards.device)).nansum(dim=1)
-        return rewards[:, self.column]
 
 
 class EngineWeights:
@@ -118,48 +107,6 @@ class CandidateRounds:
         return batch, stats
 
 
-class GroupScorer:
-    """One finished group's rewards on its rank, as TRL scores rows (each reward function with the prompts, the
-    completions as text or messages, their ids, the dataset's columns, `trainer_state` and `log_metric`; `log_extra`
-    columns are not kept in stream mode), and its filter metric. No collective: ranks finish groups at different
-    times."""
-
-    def __init__(self, trainer, filter_metric: FilterMetric) -> None:
-        self.functions, self.names = trainer.reward_funcs, trainer.reward_func_names
-        self.tasks = slice(0, trainer.num_task_rewards)
-        self.decode, self.filter_metric = trainer.processing_class.batch_decode, filter_metric
-        self.extra = dict(log_extra=lambda *args: None, log_metric=trainer._log_metric)
-        self.state = lambda: trainer.state
-
-    def __call__(
-        self, rows: list[dict[str, Any]], prompt_ids: list[int], completion_ids: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        prompts = [row["prompt"] for row in rows]
-        texts = self.decode(completion_ids, skip_special_tokens=True)
-        completions = (
-            [[{"role": "assistant", "content": text}] for text in texts]
-            if is_conversational({"prompt": prompts[0]})
-            else texts
-        )
-        columns = {
-            key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")
-        }
-        rewards = torch.full((len(rows), len(self.functions)), torch.nan)
-        for column, function in enumerate(self.functions):
-            values = function(
-                prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
-                trainer_state=self.state(), **self.extra,
-            )  # fmt: skip
-            if len(values) != len(rows):
-                raise RolloutIntegrityError(
-                    f"reward function {self.names[column]!r} returned {len(values)} rewards for {len(rows)} "
-                    "completions; each completion needs one."
-                )
-            rewards[:, column] = torch.tensor([torch.nan if v is None else float(v) for v in values])
-        check_rewards(rewards[:, self.tasks], len(rows), self.names[self.tasks])
-        return rewards, self.filter_metric(rewards)
-
-
 class StreamedGroups:
     """Stream mode: each rank streams its prompts (its share of the dataloader batch's prompts, then every
     `world`-th prompt of the extra stream) through one call of the paged engine until the kept groups of all ranks
@@ -177,11 +124,10 @@ class StreamedGroups:
         tokenize: Callable[[list], tuple],
         args,
         target: int,
-        keep_groups: GroupFilter,
     ) -> None:
         self.rounds, self.buffer, self.prompt_stream, self.accelerator = rounds, buffer, prompt_stream, accelerator
         self.engine, self.score, self.tokenize, self.args = engine, score, tokenize, args
-        self.target, self.keep_groups = target, keep_groups
+        self.target = target
 
     def collect(self, inputs: list[dict[str, Any]], step: int) -> tuple[RolloutBatch, SamplingStats]:
         world = self.accelerator.num_processes
@@ -220,11 +166,12 @@ class StreamedGroups:
             agree=self._sum_over_ranks,
             num_generations=G,
             world=world,
+            rank=rank,
+            keep_groups=buffer.keep_groups,
             sync_every=args.dynamic_sampling_stream_sync_every,
             in_flight=args.dynamic_sampling_in_flight,
             prior=(buffer.qualified_weight, buffer.generated_weight),
             fill_rows=engine.max_rows if args.dynamic_sampling_in_flight == "carry" else 0,
-            keep_groups=self.keep_groups,
         )
         dataset_prompts = self.prompt_stream.num_prompts
         if args.max_num_gen_batches:
@@ -275,7 +222,7 @@ class StreamedGroups:
             rewards=torch.stack([group.rewards[index] for group, index in mine]),
         )
         kept_round = self.rounds.run([group.rows[index] for group, index in mine], False, streamed)
-        if not bool(self.keep_groups(kept_round.metric.cpu(), G).all()):
+        if not bool(buffer.keep_groups(kept_round.metric.cpu(), G).all()):
             raise RolloutIntegrityError(
                 "stream mode: a kept group is not informative once gathered; a rank lost rows."
             )
@@ -339,8 +286,9 @@ class RoundProgress:
             self.bar.close()
 
 
-def make_collector(trainer, rounds: TRLRounds, filter_metric: FilterMetric, keep_groups: GroupFilter) -> Collector:
-    """The collector `dynamic_sampling` and `dynamic_sampling_mode` ask for, with its collaborators."""
+def make_collector(trainer, rounds: TRLRounds, filter_metric: FilterMetric) -> Collector:
+    """The collector `dynamic_sampling` and `dynamic_sampling_mode` ask for, with its collaborators; which groups are
+    kept is the buffer's `keep_groups`, in rounds and in the stream."""
     args = trainer.args
     if not args.dynamic_sampling:
         return OneRound(rounds)
@@ -351,5 +299,4 @@ def make_collector(trainer, rounds: TRLRounds, filter_metric: FilterMetric, keep
         return CandidateRounds(*common, target, progress)
     return StreamedGroups(
         *common, trainer.engine_weights, GroupScorer(trainer, filter_metric), trainer._tokenize_prompts, args, target,
-        keep_groups,
     )  # fmt: skip

@@ -4,8 +4,10 @@ TRL's method generates (`_generate_single_turn`, called through `_generate`), th
 then computes advantages; what it returns carries neither the engine's logprobs and counts nor the raw per-function
 rewards. A `RoundContext` is opened around each call: the two hooks read what the round hands them (stream mode's rows,
 already generated and scored) and record what they learn. The round relies on one fact of TRL's internals, written
-here once and pinned by `tests/test_grpo_compat.py`: within one call, generation runs once, then scoring once (a
-`rollout_func` or vLLM generates without `_generate_single_turn`: then only the scoring is seen).
+here once and pinned by `tests/test_grpo_compat.py`: within one call, generation runs before scoring, and scoring runs
+once. TRL's path (`generate`, or vLLM, both inside `_generate_single_turn`) generates once, then once more per
+tool-calling turn; trl-dapo's engine and stream mode's rows are generated once, the only generation of their round; a
+`rollout_func` generates without the hook, so only the scoring is seen.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import torch.nn.functional as F
 from trl import GRPOTrainer
 
 from ..integrity import RolloutIntegrityError, check_completions, check_groups
-from ..rewards.overlong import OVERLONG_REWARD_NAME
 from ..rollout_batch import (
     LOGPROB_KEYS,
     OLD_LOGPROBS_STEP,
@@ -30,9 +31,7 @@ from ..rollout_batch import (
     gather_rollout,
     loss_mask,
     num_rows,
-    rollout_logprobs,
 )
-from .batch_metrics import append_metrics
 
 # Keys TRL may return that carry nothing DAPO needs once the rollout logprobs are recorded.
 DROPPED_KEYS = ("num_items_in_batch", "sampling_per_token_logps", "importance_sampling_ratio")
@@ -63,20 +62,29 @@ class RoundContext:
     """What one call of TRL's method exchanges between the round and DAPO's hooks."""
 
     streamed: StreamedRows | None = None  # in: rows already generated and scored (stream mode)
-    generated: bool = False
+    generations: int = 0  # calls of the generation hook so far
     engine_logprobs: torch.Tensor | None = None  # out: the sampled tokens' logprobs, where trl-dapo's engine generated
     engine_counts: tuple[int, int, int] = (0, 0, 0)  # out: busy and all decode slot-steps, prefilled tokens
     scores: RoundScores | None = None  # out: the rewards and what TRL's output drops
 
-    def record_generation(
-        self, logprobs: torch.Tensor | None = None, counts: tuple[int, int, int] = (0, 0, 0)
-    ) -> None:
-        if self.generated or self.scores is not None:
+    def record_generation(self, logprobs: torch.Tensor, counts: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """trl-dapo's engine generated, or stream mode handed TRL its rows: the round's one generation, before scoring
+        (the logprobs describe exactly these rows, so a second generation would leave rows without them)."""
+        if self.generations or self.scores is not None:
             raise RuntimeError(
-                "TRL generated twice within one round, or after scoring it: DAPOTrainer relies on one generation, "
-                "then one scoring, within a call of `_generate_and_score_completions`."
+                "TRL generated twice within one round, or after scoring it: the rollout engine's (or the stream's) "
+                "rows must be the round's one generation, before its scoring."
             )
-        self.generated, self.engine_logprobs, self.engine_counts = True, logprobs, counts
+        self.generations, self.engine_logprobs, self.engine_counts = 1, logprobs, counts
+
+    def record_trl_generation(self) -> None:
+        """TRL's path generated: once, then once more per tool-calling turn, every turn before the scoring."""
+        if self.scores is not None or self.engine_logprobs is not None:
+            raise RuntimeError(
+                "TRL generated after scoring the round, or after the rollout engine's (or the stream's) rows: "
+                "DAPOTrainer relies on every generation of a round coming before its one scoring."
+            )
+        self.generations += 1
 
     def record_scores(self, scores: RoundScores) -> None:
         if self.scores is not None:
@@ -145,7 +153,6 @@ class TRLRounds:
                     if not metrics[name]:
                         del metrics[name]
         batch = self._global_batch(output, context)
-        self._log(batch)
         return Round(batch, self.filter_metric(context.scores.rewards), context.engine_counts)
 
     def _global_batch(self, output: dict[str, Any], context: RoundContext) -> RolloutBatch:
@@ -203,18 +210,6 @@ class TRLRounds:
             # TRL's generation path: the training model itself sampled, so its forward pass gives the policy's logprobs
             recomputed = self.recompute_logprobs(output)
         return recomputed, recomputed
-
-    def _log(self, batch: RolloutBatch) -> None:
-        """Rollout metrics of one round, read back in one host synchronisation."""
-        mask = loss_mask(batch)
-        named = {
-            "rollout_logprobs_mean": (rollout_logprobs(batch) * mask).sum() / mask.sum().clamp(min=1),
-            "dapo/truncated_ratio": batch["truncated"].float().mean(),
-        }
-        names = self.trainer.reward_func_names
-        if OVERLONG_REWARD_NAME in names:
-            named["dapo/overlong_penalty_mean"] = batch["rewards"][:, names.index(OVERLONG_REWARD_NAME)].mean()
-        append_metrics(self.trainer._metrics["train"], named)
 
 
 def round_scores(rewards: torch.Tensor, completion_ids: list[list[int]], ends: set[int], accelerator) -> RoundScores:

@@ -36,13 +36,14 @@ from ..sampling import (
     filter_groups,
     make_prompt_stream,
 )
-from .batch_metrics import append_metrics, trained_batch_metric_names, trained_batch_metrics
-from .collect import EngineWeights, FilterMetric, make_collector
+from .batch_metrics import append_metrics, rollout_metrics, trained_batch_metric_names, trained_batch_metrics
+from .collect import EngineWeights, make_collector
 from .config import DAPOConfig
 from .engine_choice import select_rollout_engine, token_sampling
 from .micro_batches import MicroBatch
 from .passes import TrainingPasses, set_up_padding_free
 from .round import TRLRounds, round_scores
+from .scoring import FilterMetric
 from .set_up import check_set_up, check_stream_reward_functions, filter_column, stream_without_engine
 
 logger = logging.getLogger(__name__)
@@ -86,10 +87,11 @@ class DAPOTrainer(GRPOTrainer):
             self.reward_func_names = [*self.reward_func_names, OVERLONG_REWARD_NAME]
             self.reward_processing_classes = [*self.reward_processing_classes, None]
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])
-        self.filter_column = filter_column(args.dynamic_sampling_metric, self.reward_func_names)
+        # the group filter's one injection point: the buffer holds it for the rounds and hands it to the stream
         self.sampling_buffer = DynamicSamplingBuffer(
             num_generations=self.num_generations,
             pad_token_id=self._tokenizer.pad_token_id,
+            keep_groups=filter_groups,
             max_num_gen_batches=args.max_num_gen_batches,
             on_limit=args.dynamic_sampling_on_limit,
             keep_surplus=args.dynamic_sampling_keep_surplus,
@@ -112,15 +114,15 @@ class DAPOTrainer(GRPOTrainer):
         self.passes = TrainingPasses(self, self.padding_free)
         if args.dynamic_sampling_mode == "stream":
             self._check_stream_set_up()
-        self._trained_batch_metric_names = trained_batch_metric_names(self.reward_func_names)
-        filter_metric = FilterMetric(self.filter_column, self.reward_weights)
+        column = filter_column(args.dynamic_sampling_metric, self.reward_func_names)
+        filter_metric = FilterMetric(column, self.reward_weights)
         self.rounds = TRLRounds(
             self,
             recompute_logprobs=lambda batch: self.passes.no_grad_logprobs(batch, args.per_device_train_batch_size),
             filter_metric=filter_metric,
-            trained_batch_metric_names=self._trained_batch_metric_names,
+            trained_batch_metric_names=trained_batch_metric_names(self.reward_func_names),
         )
-        self.collector = make_collector(self, self.rounds, filter_metric, keep_groups=filter_groups)
+        self.collector = make_collector(self, self.rounds, filter_metric)
 
     def _check_stream_set_up(self) -> None:
         """Stream mode scores groups on the host while the paged engine decodes: say what is missing now that the
@@ -145,7 +147,7 @@ class DAPOTrainer(GRPOTrainer):
             context.record_generation(context.streamed.logprobs)
             return context.streamed.completions, None
         if self.rollout_engine is None or images is not None or multimodal_fields:
-            context.record_generation()
+            context.record_trl_generation()  # again for each tool-calling turn
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
@@ -177,13 +179,15 @@ class DAPOTrainer(GRPOTrainer):
     def _collect_generation_batch(self, inputs: list[dict[str, Any]]) -> RolloutBatch:
         """The global generation batch (every rank's rows), from the collector the config chose (`collect.py`)."""
         batch, stats = self.collector.collect(inputs, self.state.global_step)
-        if stats is not None:  # dynamic sampling: its counts, and TRL's metrics for the accepted groups
-            append_metrics(self._metrics["train"], stats.metrics())
-            if num_rows(batch):
-                trained = trained_batch_metrics(
+        # dynamic sampling: its counts, and TRL's metrics for the accepted groups; DAPO's rollout metrics in every mode
+        values = {} if stats is None else stats.metrics()
+        if num_rows(batch):
+            values |= rollout_metrics(batch, self.reward_func_names)
+            if stats is not None:
+                values |= trained_batch_metrics(
                     batch, self.reward_weights, self.reward_func_names, self.num_generations
                 )
-                append_metrics(self._metrics["train"], trained)
+        append_metrics(self._metrics["train"], values)
         return batch
 
     # ------------------------------------------------------------------------------------------- micro-batches
