@@ -812,3 +812,19 @@ def test_every_rank_runs_each_recompute_pass_some_rank_needs(tiny_model, tmp_pat
     old = torch.cat([first["old_per_token_logps"], second["old_per_token_logps"]])
     torch.testing.assert_close(old[1:3], expected[1:3], atol=1e-5, rtol=1e-5)
     assert torch.equal(old[[0, 3, 4, 5, 6, 7]], kept[[0, 3, 4, 5, 6, 7]])
+
+
+def test_resuming_a_checkpoint_without_the_sampling_state_is_refused_with_dynamic_sampling(tiny_model, tmp_path):
+    """A checkpoint without the sampling state (a GRPOTrainer's) would restart the surplus, the extra-prompt stream
+    and the skipped-step count from zero: refused before training with dynamic sampling, which keeps them; resumed
+    without it, which has none."""
+    settings = dict(scripted=True, max_steps=1, save_strategy="steps", save_steps=1)
+    make_trainer(tiny_model, tmp_path / "saved", **settings).train()
+    checkpoint = tmp_path / "saved" / "checkpoint-1"
+    (checkpoint / SAMPLING_STATE_FILE).unlink()
+    resumed = make_trainer(tiny_model, tmp_path / "resumed", **settings)
+    with pytest.raises(FileNotFoundError, match=rf"has no {SAMPLING_STATE_FILE} .*dynamic_sampling=False\.$"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    plain = make_trainer(tiny_model, tmp_path / "plain", dynamic_sampling=False, **{**settings, "max_steps": 2})
+    plain.train(resume_from_checkpoint=str(checkpoint))
+    assert plain.state.global_step == 2  # step 1 from the checkpoint, then one more

@@ -227,8 +227,16 @@ class DAPOTrainer(GRPOTrainer):
             torch.save(state, os.path.join(folder, SAMPLING_STATE_FILE))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
         path = os.path.join(checkpoint, SAMPLING_STATE_FILE) if checkpoint else None
+        if path and not os.path.exists(path) and self.args.dynamic_sampling:
+            raise FileNotFoundError(
+                f"resume_from_checkpoint={checkpoint!r} has no {SAMPLING_STATE_FILE} (a GRPOTrainer checkpoint, or "
+                "not saved by DAPOTrainer): with dynamic_sampling=True, resuming would restart the surplus groups, the "
+                "extra-prompt stream (its prompts drawn again from the start) and dapo/skipped_steps from zero. Resume "
+                "from a checkpoint DAPOTrainer saved, start a new run from its weights (model=<the checkpoint "
+                "folder>), or resume with dynamic_sampling=False."
+            )
+        super()._load_optimizer_and_scheduler(checkpoint)
         if path and os.path.exists(path):
             state = torch.load(path, map_location="cpu", weights_only=True)
             self.sampling_buffer.load_state_dict(state["buffer"], self.accelerator.device)
