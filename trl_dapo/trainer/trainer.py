@@ -9,6 +9,8 @@ token-mean, dynamic sampling and padding-free training. It keeps TRL's hooks and
   rewards in the round's context, which TRL's output drops.
 - `_get_per_token_logps_and_entropies`, `_compute_loss`: every logprob forward (packed where it applies) and each
   micro-batch's passes with the DAPO loss (`passes.py`, `loss.py`, `mismatch.py`).
+- `train`, `evaluation_loop`: padding-free, the model's attention goes through the packed dispatcher while they run
+  and is set back after (the model is the caller's).
 - `log`: `dapo/skipped_steps` as the count it is. `_save_checkpoint` / `_load_optimizer_and_scheduler`: the
   buffer's surplus, the prompt stream's position and the skipped-step count.
 """
@@ -201,6 +203,16 @@ class DAPOTrainer(GRPOTrainer):
         if self.model.training and "loss" in logs:
             logs["dapo/skipped_steps"] = float(self.passes.skipped_steps)
         super().log(logs, start_time)
+
+    def train(self, *args: Any, **kwargs: Any):
+        """The Trainer's, with the model's attention switched for padding-free passes only while it runs."""
+        with self.passes.attention():
+            return super().train(*args, **kwargs)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        """The Trainer's (`evaluate`, `predict`), its scoring passes packed as training's are."""
+        with self.passes.attention():
+            return super().evaluation_loop(*args, **kwargs)
 
     # ---------------------------------------------------------------------------------------------------- loss
 
