@@ -91,8 +91,9 @@ class TrainingPasses:
         """Deal the global generation batch's rows to this rank's micro-batches and passes (`micro_batches.py`):
         padding-free by tokens, else by rows; then the old policy where it is recomputed.
 
-        An optimizer step with no rows at all (dynamic sampling trained on a partial batch) is skipped: no gradient,
-        so the optimizer leaves parameters and state alone; it is counted in `dapo/skipped_steps`."""
+        An optimizer step with no rows at all (dynamic sampling trained on a partial batch) is skipped: no gradient
+        reaches the parameters (`.grad` stays None), so torch's optimizers leave them and their state alone; it is
+        counted in `dapo/skipped_steps`. fp16's scaler and DeepSpeed cannot skip one and refuse it."""
         args, accumulation = self.args, self.args.gradient_accumulation_steps
         optimizer_steps = args.steps_per_generation // accumulation
         costs = None
@@ -117,6 +118,13 @@ class TrainingPasses:
             raise ValueError(
                 "Dynamic sampling found no informative group for an optimizer step, which is then skipped, but fp16's "
                 "gradient scaler cannot step without gradients. Use bf16, or dynamic_sampling_on_limit='raise'."
+            )
+        if empty_steps and self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError(
+                "Dynamic sampling found no informative group for an optimizer step, which is then skipped, but "
+                "DeepSpeed's optimizers step their flat partitions with zero gradients where there are none: Adam's "
+                "momentum and weight decay would still move the weights. Use max_num_gen_batches=0 (rounds until the "
+                "batch is full) or dynamic_sampling_on_limit='raise', or train with DDP or FSDP2."
             )
         if empty_steps and self.accelerator.is_main_process:
             logger.warning(
@@ -257,7 +265,8 @@ class TrainingPasses:
             return loss
         if not inputs.passes:
             # No forward pass and no gradient reaching the parameters (a micro-batch no rank has rows for): an
-            # optimizer step made only of these leaves the parameters and the optimizer state as they were.
+            # optimizer step made only of these leaves `.grad` None, so torch's optimizers leave the parameters and
+            # their state as they were (DeepSpeed would not: `micro_batches` refuses such a step there).
             loss = torch.zeros((), device=self.accelerator.device, requires_grad=True)
         else:
             earlier = torch.zeros((), device=self.accelerator.device)
