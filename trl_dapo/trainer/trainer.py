@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, TrainOutput
 from trl import GRPOTrainer
 
 from ..integrity import RolloutIntegrityError, check_rewards, checked_reward_function
@@ -204,12 +204,12 @@ class DAPOTrainer(GRPOTrainer):
             logs["dapo/skipped_steps"] = float(self.passes.skipped_steps)
         super().log(logs, start_time)
 
-    def train(self, *args: Any, **kwargs: Any):
+    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         """The Trainer's, with the model's attention switched for padding-free passes only while it runs."""
         with self.passes.attention():
             return super().train(*args, **kwargs)
 
-    def evaluation_loop(self, *args: Any, **kwargs: Any):
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> EvalLoopOutput:
         """The Trainer's (`evaluate`, `predict`), its scoring passes packed as training's are."""
         with self.passes.attention():
             return super().evaluation_loop(*args, **kwargs)
