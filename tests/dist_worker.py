@@ -10,10 +10,12 @@
 - `scripted`, `partial` and `recomputed` train padding-free (`padding_free=True`: on the CPU the per-row reference
   attention); `scripted_padded`, `recomputed_padded` the same with padded passes (`padding_free=False`), whose rows
   are dealt to the ranks evenly by count (padding-free: by tokens, so the ranks' tokens are about equal);
-- `stream`, `stream_again`: streaming dynamic sampling on the paged engine (CPU), twice with the same seed.
+- `stream`, `stream_again`: streaming dynamic sampling on the paged engine (CPU), twice with the same seed;
+- `recomputed_capped`: `recomputed` with `padding_free_max_tokens`, so each micro-batch runs several passes, all but
+  the last with deferred gradient synchronisation (the ranks' passes holding unequal token counts).
 
 Writes, per set-up, the updated parameters, the accepted rollout rows (before the micro-batch shuffle), each rank's
-rows and loss tokens per micro-batch and the logged metrics, so the test can compare a 2-process run with a 1-process
+rows and loss tokens per micro-batch (and per pass) and the logged metrics, so the test can compare a 2-process run with a 1-process
 run of the same global batch, and padded with padding-free passes.
 """
 
@@ -123,6 +125,11 @@ def trainers(model_path: str, output: str, world: int) -> dict[str, RecordingDAP
             model=model_path, reward_funcs=first_token_parity, args=defaults, train_dataset=arithmetic_prompts(40)
         ),
         "recomputed": RecordingDAPOTrainer(model=model_path, args=recomputed, **scripted_run),
+        "recomputed_capped": RecordingDAPOTrainer(
+            model=model_path,
+            args=dapo_args(output + ".capped", padding_free_max_tokens=60, **recomputed_settings, **packed),
+            **scripted_run,
+        ),
         "stream": RecordingDAPOTrainer(model=model_path, args=dapo_args(output + ".stream", **stream), **stream_run),
         "stream_again": RecordingDAPOTrainer(
             model=model_path, args=dapo_args(output + ".stream_again", **stream), **stream_run
@@ -181,6 +188,13 @@ def main(model_path: str, output: str) -> None:
         ]
         micro_batch_rows = [sum(int(rows["completion_ids"].size(0)) for rows in mb) for mb in passes]
         micro_batch_tokens = [sum(int(rows["completion_mask"].sum()) for rows in mb) for mb in passes]
+        pass_tokens = [
+            [
+                0 if empty else int(rows["completion_mask"].sum())
+                for rows, empty in zip(mb.passes, mb.empty, strict=True)
+            ]
+            for mb in trainer._buffered_inputs
+        ]
         results[name] = {
             "parameters": {
                 k: v.detach().cpu() for k, v in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
@@ -192,6 +206,7 @@ def main(model_path: str, output: str) -> None:
             "micro_batch_rows": every_rank(micro_batch_rows, world),
             "no_grad_forwards": every_rank(len(no_grad_forwards), world),
             "micro_batch_tokens": every_rank(micro_batch_tokens, world),
+            "pass_tokens": every_rank(pass_tokens, world),
             "dataloader": dataloader,
             "index_of_prompt": {
                 tuple(ids): row["index"]

@@ -114,6 +114,22 @@ def test_the_recomputed_old_policy_and_its_correction_make_the_same_update_on_tw
     assert max((one["parameters"][k] - p).abs().max().item() for k, p in against_rollout.items()) > 1e-4
 
 
+@pytest.mark.distributed
+def test_several_passes_per_micro_batch_defer_their_gradient_sync_to_the_last(runs, tiny_model):
+    """With `padding_free_max_tokens`, each micro-batch runs several passes: every one but the last under deferred
+    gradient synchronisation, the last synchronising what all of them accumulated. The ranks' passes hold unequal
+    tokens; the update must be the 1-rank run's, and the uncapped run's (one pass per micro-batch)."""
+    one, two = (run["recomputed_capped"] for run in runs)
+    passes = two["pass_tokens"]  # per rank, per micro-batch, per pass: its loss tokens
+    assert all(len(micro_batch) > 1 for rank in passes for micro_batch in rank)
+    assert [len(micro_batch) for micro_batch in passes[0]] == [len(micro_batch) for micro_batch in passes[1]]
+    assert passes[0] != passes[1]  # the ranks' passes (and micro-batches' last passes) train unequal tokens
+    assert one["rows"] == two["rows"] == runs[0]["recomputed"]["rows"]
+    assert_same_update(one, two, tiny_model)
+    for world in runs:
+        assert_same_update(world["recomputed"], world["recomputed_capped"], tiny_model)
+
+
 def streamed_prompts(run: dict) -> list[int]:
     """The dataset index of each accepted group (4 rows each), in acceptance order."""
     return [run["index_of_prompt"][tuple(prompt)] for prompt, _, _ in run["rows"][::4]]

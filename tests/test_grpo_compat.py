@@ -292,6 +292,9 @@ PINNED_SIGNATURES = {
     "_save_checkpoint": "self, model, trial",
     "_load_optimizer_and_scheduler": "self, checkpoint",
     "log": "self, logs, start_time=None",
+    "train": "self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None",
+    "evaluation_loop": "self, dataloader, description, prediction_loss_only=None, ignore_keys=None, "
+    "metric_key_prefix='eval'",
     "_get_per_token_logps_and_entropies": "self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, "
     "compute_entropy=False, compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, "
     "pixel_attention_mask=None, spatial_shapes=None, num_tiles=None, image_sizes=None, token_type_ids=None, "

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl.trainer.utils import add_fused_lm_head
 
 from helpers import arithmetic_prompts, dapo_args, length_reward
@@ -257,8 +257,47 @@ def test_padding_free_is_automatic_where_flash_attention_runs(tiny_model, tmp_pa
         model=tiny_model, reward_funcs=length_reward, args=dapo_args(tmp_path / "b", padding_free=True),
         train_dataset=arithmetic_prompts(8),
     )  # fmt: skip
-    assert forced.padding_free and forced.model.config._attn_implementation == "trl_dapo_packed_sdpa"
+    assert forced.padding_free and forced.model.config._attn_implementation == "sdpa"  # switched while training
     with pytest.raises(ValueError, match=r"padding_free_max_tokens=100 is invalid: .*padding_free=True"):
         dapo_args(tmp_path / "c", padding_free=False, padding_free_max_tokens=100)
     with pytest.raises(ValueError, match="padding_free_max_tokens=0 is invalid"):
         dapo_args(tmp_path / "d", padding_free_max_tokens=0)
+
+
+class RaiseAtTrainBegin(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kwargs):
+        raise RuntimeError("stopped at train begin")
+
+
+def test_the_callers_model_gets_its_attention_back_after_training_and_evaluation(tiny_model, tmp_path):
+    """The dispatcher is the model's attention only while the trainer runs: training and evaluation pack (the packed
+    forwards run), and the caller's model reads its own implementation after each, an error included."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    own = model.config._attn_implementation
+    trainer = DAPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=dapo_args(tmp_path, per_device_train_batch_size=8, max_steps=1, padding_free=True),
+        train_dataset=arithmetic_prompts(8),
+        eval_dataset=arithmetic_prompts(4, offset=50),
+        rollout_func=ScriptedRollout(AutoTokenizer.from_pretrained(tiny_model)),
+    )
+    assert trainer.padding_free and model.config._attn_implementation == own
+    seen, forward = [], trainer.passes._packed_forward
+
+    def recorded(*args, **kwargs):
+        seen.append(model.config._attn_implementation)
+        return forward(*args, **kwargs)
+
+    trainer.passes._packed_forward = recorded
+    trainer.train()
+    assert seen and set(seen) == {f"trl_dapo_packed_{own}"}
+    assert model.config._attn_implementation == own
+    seen.clear()
+    assert math.isfinite(trainer.evaluate()["eval_loss"])
+    assert seen and set(seen) == {f"trl_dapo_packed_{own}"}
+    assert model.config._attn_implementation == own
+    trainer.add_callback(RaiseAtTrainBegin)
+    with pytest.raises(RuntimeError, match="stopped at train begin"):
+        trainer.train()
+    assert model.config._attn_implementation == own

@@ -6,6 +6,7 @@ every supported model type is served, and a set-up the engine cannot serve falls
 import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Mistr
 from helpers import arithmetic_prompts, dapo_args, first_token_parity
 from trl_dapo import DAPOTrainer
 from trl_dapo.rollout import SUPPORTED_MODEL_TYPES, TokenSampling
-from trl_dapo.rollout.architectures import BY_MODEL_TYPE
+from trl_dapo.rollout.architectures import BY_MODEL_TYPE, UnsupportedArchitecture
 from trl_dapo.rollout.architectures.llama import LlamaArchitecture
 from trl_dapo.rollout.architectures.qwen3 import Qwen3Architecture
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
@@ -562,8 +563,11 @@ def test_each_supported_model_type_is_served_by_its_architecture():
 def test_the_engine_names_the_supported_model_types_when_it_refuses_one(unsupported_model, model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
     model = AutoModelForCausalLM.from_pretrained(unsupported_model)
-    expected = r"the rollout engine supports \('llama', 'mistral', 'qwen2', 'qwen3'\), not 'qwen3_moe'\.$"
-    with pytest.raises(ValueError, match=expected):
+    expected = (
+        r"the rollout engine cannot serve this model: model type 'qwen3_moe' is not supported \(the rollout engine "
+        r"serves \('llama', 'mistral', 'qwen2', 'qwen3'\)\)\.$"
+    )
+    with pytest.raises(UnsupportedArchitecture, match=expected):
         engine_for(model, tokenizer)
 
 
@@ -573,8 +577,43 @@ def test_a_llama_with_biases_the_engine_would_not_apply_is_refused(model_and_tok
     _, tokenizer = model_and_tokenizer
     for option in ("attention_bias", "mlp_bias"):
         model = AutoModelForCausalLM.from_config(tiny_config(LlamaConfig, tokenizer, **{option: True}))
-        with pytest.raises(ValueError, match="applies biases to q/k/v only"):
+        with pytest.raises(
+            UnsupportedArchitecture, match=rf"{option}=True \(the rollout engine applies biases to q/k/v"
+        ):
             engine_for(model, tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("option", "reason"),
+    [
+        (dict(mlp_bias=True), "mlp_bias=True (the rollout engine applies biases to q/k/v only)"),
+        (dict(attention_bias=True), "attention_bias=True (the rollout engine applies biases to q/k/v only)"),
+        (dict(hidden_act="gelu"), "hidden_act='gelu' (the rollout engine runs a SiLU-gated MLP)"),
+    ],
+    ids=["mlp_bias", "attention_bias", "gelu"],
+)
+def test_a_model_option_the_engine_refuses_falls_back_or_is_refused_at_set_up(
+    model_and_tokenizer, tmp_path, caplog, monkeypatch, option, reason
+):
+    """The engine's own refusals are asked before it is built: `"auto"` on CUDA falls back to TRL's path logging the
+    option, and `"paged"` is refused with it when the trainer is built, before any training."""
+    _, tokenizer = model_and_tokenizer
+    model = AutoModelForCausalLM.from_config(tiny_config(LlamaConfig, tokenizer, **option))
+    settings = dict(processing_class=tokenizer, reward_funcs=first_token_parity, train_dataset=arithmetic_prompts(8))
+    trainer = DAPOTrainer(
+        model=model, args=dapo_args(tmp_path, per_device_train_batch_size=8, rollout_engine="trl"), **settings
+    )
+    trainer.args.rollout_engine = "auto"
+    monkeypatch.setattr(type(trainer.accelerator), "device", property(lambda accelerator: torch.device("cuda")))
+    with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.engine_choice"):
+        assert select_rollout_engine(trainer) is None
+    assert caplog.messages == [f"rollout_engine='auto' falls back to TRL's generation path: {reason}."]
+    monkeypatch.undo()
+    expected = re.escape(f"DAPOConfig.rollout_engine='paged' cannot be used here: {reason}.")
+    with pytest.raises(ValueError, match=f"^{expected}$"):
+        DAPOTrainer(
+            model=model, args=dapo_args(tmp_path, per_device_train_batch_size=8, rollout_engine="paged"), **settings
+        )
 
 
 def test_the_attention_kernel_is_the_reference_off_cuda_and_triton_is_refused_there(model_and_tokenizer):
@@ -609,10 +648,13 @@ def test_an_unsupported_set_up_falls_back_to_trls_path_and_logs_why(unsupported_
     monkeypatch.setattr(type(trainer.accelerator), "device", property(lambda accelerator: torch.device("cuda")))
     with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.engine_choice"):
         assert select_rollout_engine(trainer) is None
-    reason = "model type 'qwen3_moe' is not supported"
+    reason = (
+        "model type 'qwen3_moe' is not supported (the rollout engine serves ('llama', 'mistral', 'qwen2', 'qwen3'))"
+    )
     assert caplog.messages == [f"rollout_engine='auto' falls back to TRL's generation path: {reason}."]
     trainer.args.rollout_engine = "paged"
-    with pytest.raises(ValueError, match=f"^DAPOConfig.rollout_engine='paged' cannot be used here: {reason}.$"):
+    expected = re.escape(f"DAPOConfig.rollout_engine='paged' cannot be used here: {reason}.")
+    with pytest.raises(ValueError, match=f"^{expected}$"):
         select_rollout_engine(trainer)
 
 

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from datasets import IterableDataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -697,6 +698,18 @@ def test_fp16_cannot_skip_a_step_and_says_so(tiny_model, tmp_path):
         trainer.passes.micro_batches(empty)
 
 
+def test_deepspeed_cannot_skip_a_step_and_says_so(tiny_model, tmp_path, monkeypatch):
+    """DeepSpeed's ZeRO optimizers fill missing gradients with zeros and step anyway (Adam's momentum and weight decay
+    move the weights): a skipped step under DeepSpeed must be refused, naming the settings that avoid it (DeepSpeed
+    is not installed here, so the trainer is told it runs under it)."""
+    trainer = make_trainer(tiny_model, tmp_path)
+    monkeypatch.setattr(type(trainer.accelerator), "distributed_type", property(lambda _: DistributedType.DEEPSPEED))
+    no_rows = torch.zeros(0, 3, dtype=torch.long)
+    empty = {"prompt_ids": no_rows, "prompt_mask": no_rows, "completion_ids": no_rows, "completion_mask": no_rows}
+    with pytest.raises(ValueError, match=r"DeepSpeed's optimizers step .*max_num_gen_batches=0"):
+        trainer.passes.micro_batches(empty)
+
+
 def test_a_round_context_takes_its_generations_then_one_scoring():
     """The order of TRL's hooks within one round is what DAPOTrainer relies on: the engine's (or the stream's) rows
     are the round's one generation; TRL's path may generate again (a tool-calling turn); every generation comes before
@@ -849,3 +862,19 @@ def test_every_rank_runs_each_recompute_pass_some_rank_needs(tiny_model, tmp_pat
     old = torch.cat([first["old_per_token_logps"], second["old_per_token_logps"]])
     torch.testing.assert_close(old[1:3], expected[1:3], atol=1e-5, rtol=1e-5)
     assert torch.equal(old[[0, 3, 4, 5, 6, 7]], kept[[0, 3, 4, 5, 6, 7]])
+
+
+def test_resuming_a_checkpoint_without_the_sampling_state_is_refused_with_dynamic_sampling(tiny_model, tmp_path):
+    """A checkpoint without the sampling state (a GRPOTrainer's) would restart the surplus, the extra-prompt stream
+    and the skipped-step count from zero: refused before training with dynamic sampling, which keeps them; resumed
+    without it, which has none."""
+    settings = dict(scripted=True, max_steps=1, save_strategy="steps", save_steps=1)
+    make_trainer(tiny_model, tmp_path / "saved", **settings).train()
+    checkpoint = tmp_path / "saved" / "checkpoint-1"
+    (checkpoint / SAMPLING_STATE_FILE).unlink()
+    resumed = make_trainer(tiny_model, tmp_path / "resumed", **settings)
+    with pytest.raises(FileNotFoundError, match=rf"has no {SAMPLING_STATE_FILE} .*dynamic_sampling=False\.$"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    plain = make_trainer(tiny_model, tmp_path / "plain", dynamic_sampling=False, **{**settings, "max_steps": 2})
+    plain.train(resume_from_checkpoint=str(checkpoint))
+    assert plain.state.global_step == 2  # step 1 from the checkpoint, then one more

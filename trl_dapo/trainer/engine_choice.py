@@ -7,7 +7,8 @@ import logging
 
 import torch
 
-from ..rollout import SUPPORTED_MODEL_TYPES, PagedRolloutEngine, TokenSampling
+from ..rollout import PagedRolloutEngine, TokenSampling
+from ..rollout.architectures import unsupported_reason
 from ..rollout.sharded import is_zero3, parameter_gather
 from ..rollout.weights import sliding_window
 
@@ -57,9 +58,10 @@ def why_engine_cannot_serve(trainer) -> str | None:
         return settings
     model = trainer.accelerator.unwrap_model(trainer.model)
     config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    architecture = unsupported_reason(config)
     checks = [
         (trainer._is_vlm, "multimodal model"),
-        (config.model_type not in SUPPORTED_MODEL_TYPES, f"model type {config.model_type!r} is not supported"),
+        (architecture is not None, architecture),
         (
             sliding_window(config) is not None,
             f"sliding-window attention (a window of {sliding_window(config)} tokens; the engine attends to the whole "

@@ -226,3 +226,16 @@ def enable_packed_attention(model) -> None:
     if implementation in NATIVE_PACKED_IMPLEMENTATIONS or implementation.startswith(PACKED_PREFIX):
         return
     model.set_attn_implementation(packed_implementation(implementation))
+
+
+@contextlib.contextmanager
+def attention_for_packing(model) -> Iterator[None]:
+    """`model`'s attention through the dispatcher while the block runs, its own implementation set back after (also
+    on an error): the model is the caller's and must come back as it was passed. Nested blocks change nothing."""
+    implementation = model.config._attn_implementation
+    enable_packed_attention(model)
+    try:
+        yield
+    finally:
+        if model.config._attn_implementation != implementation:
+            model.set_attn_implementation(implementation)

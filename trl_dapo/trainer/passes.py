@@ -25,19 +25,24 @@ from .batch_metrics import append_metrics
 from .loss import active_mean, dapo_policy_loss
 from .micro_batches import MicroBatch, split_generation_batch
 from .mismatch import mismatch_metrics, rollout_correction
-from .packed_attention import enable_packed_attention, forward_packed, why_model_cannot_pack
+from .packed_attention import attention_for_packing, forward_packed, why_model_cannot_pack
 from .packing import pack_rows, unpack_scores
 from .step_metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
 
 
+def base_model(trainer: GRPOTrainer) -> torch.nn.Module:
+    """The trainer's transformers model: no DDP, DeepSpeed or PEFT wrapper (the object whose attention is set)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def set_up_padding_free(trainer: GRPOTrainer) -> bool:
-    """Whether the training passes run packed (`padding_free`; None: where flash attention runs), switching the
-    model's attention to the dispatcher if so; where the model cannot, say why once."""
+    """Whether the training passes run packed (`padding_free`; None: where flash attention runs); where the model
+    cannot, say why once. The model's attention is switched only while the trainer runs (`TrainingPasses.attention`)."""
     args, accelerator = trainer.args, trainer.accelerator
-    model = accelerator.unwrap_model(trainer.model)
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model = base_model(trainer)
     half = args.bf16 or args.fp16 or model.dtype in (torch.bfloat16, torch.float16)
     reason = why_model_cannot_pack(model, trainer._is_vlm)
     if args.use_transformers_continuous_batching:
@@ -45,7 +50,6 @@ def set_up_padding_free(trainer: GRPOTrainer) -> bool:
     if args.padding_free is None and not (accelerator.device.type == "cuda" and half):
         reason = "padding_free=None packs where flash attention runs (CUDA with bf16 or fp16)"
     if reason is None and args.padding_free is not False:
-        enable_packed_attention(model)
         return True
     if args.padding_free is not False:
         cap = " (padding_free_max_tokens does not apply)" if args.padding_free_max_tokens else ""
@@ -64,6 +68,7 @@ class TrainingPasses:
         self.pad_token_id = trainer._tokenizer.pad_token_id
         self.padded_logprobs = functools.partial(GRPOTrainer._get_per_token_logps_and_entropies, trainer)
         self.model = lambda: trainer.model  # the module, for no-grad passes (not a DDP or DeepSpeed wrapper)
+        self.base_model = lambda: base_model(trainer)
         self.step = lambda: trainer.state.global_step
         self.clips = dict(
             epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, clip_ratio_c=trainer.args.clip_ratio_c
@@ -75,14 +80,20 @@ class TrainingPasses:
         self.defer_fsdp_reduction = trainer._defer_fsdp_gradient_reduction if sharded_at_load else None
         self.skipped_steps = 0
 
+    def attention(self) -> contextlib.AbstractContextManager:
+        """What training and evaluation run under: padding-free, the model's attention through the packed dispatcher,
+        set back when they end (the model is the caller's)."""
+        return attention_for_packing(self.base_model()) if self.padding_free else contextlib.nullcontext()
+
     # ------------------------------------------------------------------------------------------- micro-batches
 
     def micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
         """Deal the global generation batch's rows to this rank's micro-batches and passes (`micro_batches.py`):
         padding-free by tokens, else by rows; then the old policy where it is recomputed.
 
-        An optimizer step with no rows at all (dynamic sampling trained on a partial batch) is skipped: no gradient,
-        so the optimizer leaves parameters and state alone; it is counted in `dapo/skipped_steps`."""
+        An optimizer step with no rows at all (dynamic sampling trained on a partial batch) is skipped: no gradient
+        reaches the parameters (`.grad` stays None), so torch's optimizers leave them and their state alone; it is
+        counted in `dapo/skipped_steps`. fp16's scaler and DeepSpeed cannot skip one and refuse it."""
         args, accumulation = self.args, self.args.gradient_accumulation_steps
         optimizer_steps = args.steps_per_generation // accumulation
         costs = None
@@ -107,6 +118,13 @@ class TrainingPasses:
             raise ValueError(
                 "Dynamic sampling found no informative group for an optimizer step, which is then skipped, but fp16's "
                 "gradient scaler cannot step without gradients. Use bf16, or dynamic_sampling_on_limit='raise'."
+            )
+        if empty_steps and self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError(
+                "Dynamic sampling found no informative group for an optimizer step, which is then skipped, but "
+                "DeepSpeed's optimizers step their flat partitions with zero gradients where there are none: Adam's "
+                "momentum and weight decay would still move the weights. Use max_num_gen_batches=0 (rounds until the "
+                "batch is full) or dynamic_sampling_on_limit='raise', or train with DDP or FSDP2."
             )
         if empty_steps and self.accelerator.is_main_process:
             logger.warning(
@@ -247,7 +265,8 @@ class TrainingPasses:
             return loss
         if not inputs.passes:
             # No forward pass and no gradient reaching the parameters (a micro-batch no rank has rows for): an
-            # optimizer step made only of these leaves the parameters and the optimizer state as they were.
+            # optimizer step made only of these leaves `.grad` None, so torch's optimizers leave the parameters and
+            # their state as they were (DeepSpeed would not: `micro_batches` refuses such a step there).
             loss = torch.zeros((), device=self.accelerator.device, requires_grad=True)
         else:
             earlier = torch.zeros((), device=self.accelerator.device)

@@ -9,6 +9,8 @@ token-mean, dynamic sampling and padding-free training. It keeps TRL's hooks and
   rewards in the round's context, which TRL's output drops.
 - `_get_per_token_logps_and_entropies`, `_compute_loss`: every logprob forward (packed where it applies) and each
   micro-batch's passes with the DAPO loss (`passes.py`, `loss.py`, `mismatch.py`).
+- `train`, `evaluation_loop`: padding-free, the model's attention goes through the packed dispatcher while they run
+  and is set back after (the model is the caller's).
 - `log`: `dapo/skipped_steps` as the count it is. `_save_checkpoint` / `_load_optimizer_and_scheduler`: the
   buffer's surplus, the prompt stream's position and the skipped-step count.
 """
@@ -21,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, TrainOutput
 from trl import GRPOTrainer
 
 from ..integrity import RolloutIntegrityError, check_rewards, checked_reward_function
@@ -206,6 +208,16 @@ class DAPOTrainer(GRPOTrainer):
             logs["dapo/skipped_steps"] = float(self.passes.skipped_steps)
         super().log(logs, start_time)
 
+    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
+        """The Trainer's, with the model's attention switched for padding-free passes only while it runs."""
+        with self.passes.attention():
+            return super().train(*args, **kwargs)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> EvalLoopOutput:
+        """The Trainer's (`evaluate`, `predict`), its scoring passes packed as training's are."""
+        with self.passes.attention():
+            return super().evaluation_loop(*args, **kwargs)
+
     # ---------------------------------------------------------------------------------------------------- loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
@@ -231,8 +243,16 @@ class DAPOTrainer(GRPOTrainer):
             torch.save(state, os.path.join(folder, SAMPLING_STATE_FILE))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
         path = os.path.join(checkpoint, SAMPLING_STATE_FILE) if checkpoint else None
+        if path and not os.path.exists(path) and self.args.dynamic_sampling:
+            raise FileNotFoundError(
+                f"resume_from_checkpoint={checkpoint!r} has no {SAMPLING_STATE_FILE} (a GRPOTrainer checkpoint, or "
+                "not saved by DAPOTrainer): with dynamic_sampling=True, resuming would restart the surplus groups, the "
+                "extra-prompt stream (its prompts drawn again from the start) and dapo/skipped_steps from zero. Resume "
+                "from a checkpoint DAPOTrainer saved, start a new run from its weights (model=<the checkpoint "
+                "folder>), or resume with dynamic_sampling=False."
+            )
+        super()._load_optimizer_and_scheduler(checkpoint)
         if path and os.path.exists(path):
             state = torch.load(path, map_location="cpu", weights_only=True)
             self.sampling_buffer.load_state_dict(state["buffer"], self.accelerator.device)

@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
+from transformers import PretrainedConfig
 
 
 class DecoderArchitecture(ABC):
@@ -32,6 +33,12 @@ class DecoderArchitecture(ABC):
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.config = model.config
+
+    @classmethod
+    def unsupported_reason(cls, config: PretrainedConfig) -> str | None:
+        """Why this family's engine path cannot run a model of `config` (an option it does not implement), or None:
+        read from the config alone, so the trainer can fall back or refuse before it builds an engine."""
+        return None
 
     @abstractmethod
     def read_layer(self, layer: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

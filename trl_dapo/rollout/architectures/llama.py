@@ -1,12 +1,14 @@
 """Llama, Mistral and Qwen2: one layout (`self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, two RMS norms per
-layer, a SiLU-gated MLP, Hugging Face's rotary module). They differ only in whether q/k/v carry a bias (Qwen2's do;
-Llama's with `attention_bias`), which the snapshot keeps, and in Mistral's sliding window, which the trainer refuses
-before it builds an engine (`weights.sliding_window`)."""
+layer, a SiLU-gated MLP, Hugging Face's rotary module). They differ only in whether q/k/v carry a bias (Qwen2's do),
+which the snapshot keeps, and in Mistral's sliding window, which the trainer refuses before it builds an engine
+(`weights.sliding_window`). Llama's `attention_bias` (which biases the output projection too), `mlp_bias` and any
+activation but SiLU are options the engine does not implement: `unsupported_reason` names them."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers import PretrainedConfig
 
 from ..weights import cat_linear, linear_weight
 from .base import DecoderArchitecture
@@ -18,8 +20,15 @@ class LlamaArchitecture(DecoderArchitecture):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
         self.rotary = model.model.rotary_emb
-        if getattr(self.config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"the rollout engine runs a SiLU-gated MLP, not {self.config.hidden_act!r}.")
+
+    @classmethod
+    def unsupported_reason(cls, config: PretrainedConfig) -> str | None:
+        if getattr(config, "hidden_act", "silu") != "silu":
+            return f"hidden_act={config.hidden_act!r} (the rollout engine runs a SiLU-gated MLP)"
+        for option in ("attention_bias", "mlp_bias"):  # attention_bias biases o_proj too
+            if getattr(config, option, False):
+                return f"{option}=True (the rollout engine applies biases to q/k/v only)"
+        return None
 
     def read_layer(self, layer: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         attention, mlp = layer.self_attn, layer.mlp
