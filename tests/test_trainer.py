@@ -386,6 +386,40 @@ def test_settings_are_checked_before_any_model_loads(tmp_path, settings, reward,
         )
 
 
+class EchoEnvironment:
+    """An environment whose public method TRL turns into a tool."""
+
+    def reset(self, **kwargs) -> None:
+        return None
+
+    def echo(self, text: str) -> str:
+        """Echo the text.
+
+        Args:
+            text: what to echo.
+        """
+        return text
+
+
+@pytest.mark.parametrize("tool_source", ["tools", "environment_factory"])
+def test_stream_mode_with_tools_is_refused_before_any_model_loads(tmp_path, tool_source):
+    """Tools, given directly or through an environment's methods, need TRL's multi-turn loop, which the stream's
+    engine does not run: refused at set-up, not found out after the model loads."""
+    tools = (
+        dict(tools=[EchoEnvironment().echo]) if tool_source == "tools" else dict(environment_factory=EchoEnvironment)
+    )
+    with pytest.raises(ValueError, match="tool calling needs TRL's multi-turn loop"):
+        DAPOTrainer(
+            model=str(tmp_path / "no-model-here"),
+            reward_funcs=length_reward,
+            args=dapo_args(
+                tmp_path, per_device_train_batch_size=8, dynamic_sampling_mode="stream", rollout_engine="paged"
+            ),
+            train_dataset=arithmetic_prompts(8),
+            **tools,
+        )
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the 'auto' engine is the paged one")
 def test_stream_mode_without_cuda_needs_the_paged_engine_before_any_model_loads(tmp_path):
     with pytest.raises(ValueError, match=r"rollout_engine='auto': without a CUDA device TRL's path generates\)\. Set"):

@@ -33,12 +33,12 @@ def token_sampling(args) -> TokenSampling:
     )
 
 
-def why_settings_rule_out_engine(args, rollout_func, tools) -> str | None:
+def why_settings_rule_out_engine(args, rollout_func, calls_tools: bool) -> str | None:
     """Why the rollout engine cannot serve these settings whatever the model, or None: known before a model loads."""
     checks = [
         (args.use_vllm, "use_vllm=True: vLLM generates"),
         (rollout_func is not None, "a rollout_func generates"),
-        (bool(tools), "tool calling needs TRL's multi-turn loop"),
+        (calls_tools, "tool calling needs TRL's multi-turn loop"),
         (args.use_transformers_continuous_batching, "continuous batching was asked for"),
         (args.min_p is not None or args.repetition_penalty != 1.0, "min_p / repetition_penalty"),
         (bool(set(args.generation_kwargs or {}) - SUPPORTED_GENERATION_KWARGS), "unsupported generation_kwargs"),
@@ -53,7 +53,7 @@ def unusable_engine(choice: str, reason: str) -> ValueError:
 def why_engine_cannot_serve(trainer) -> str | None:
     """Why the rollout engine cannot serve this trainer's set-up, or None when it can."""
     args = trainer.args
-    settings = why_settings_rule_out_engine(args, trainer.rollout_func, trainer.tools)
+    settings = why_settings_rule_out_engine(args, trainer.rollout_func, bool(trainer.tools))
     if settings is not None:
         return settings
     model = trainer.accelerator.unwrap_model(trainer.model)

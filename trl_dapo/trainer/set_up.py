@@ -128,14 +128,15 @@ def check_set_up(
         )
     if environment_factory is None:  # an environment may add reward functions, named once it is built
         filter_column(args.dynamic_sampling_metric, names)
+    calls_tools = bool(tools) or environment_factory is not None  # an environment's methods are its tools
     if args.rollout_engine == "paged":
-        reason = why_settings_rule_out_engine(args, rollout_func, tools)
+        reason = why_settings_rule_out_engine(args, rollout_func, calls_tools)
         if reason is not None:
             raise unusable_engine(args.rollout_engine, reason)
     if args.dynamic_sampling_mode == "stream":
         if args.rollout_engine == "auto" and args.device.type != "cuda":
             raise stream_without_engine(args, "without a CUDA device TRL's path generates")
-        reason = why_settings_rule_out_engine(args, rollout_func, tools)
+        reason = why_settings_rule_out_engine(args, rollout_func, calls_tools)
         if reason is not None:
             raise stream_without_engine(args, reason)
         check_stream_reward_functions(reward_funcs, names)
