@@ -10,7 +10,7 @@ import torch
 from ..rollout import PagedRolloutEngine, TokenSampling
 from ..rollout.architectures import unsupported_reason
 from ..rollout.sharded import is_zero3, parameter_gather
-from ..rollout.weights import sliding_window
+from ..rollout.weights import base_model, sliding_window
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,7 @@ def why_engine_cannot_serve(trainer) -> str | None:
     settings = why_settings_rule_out_engine(args, trainer.rollout_func, bool(trainer.tools))
     if settings is not None:
         return settings
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    config = base_model(trainer.accelerator.unwrap_model(trainer.model)).config
     architecture = unsupported_reason(config)
     checks = [
         (trainer._is_vlm, "multimodal model"),
