@@ -82,8 +82,11 @@ def sample_and_score(
     **generate_kwargs: Any,
 ) -> Scored:
     """`samples` completions of each prompt by `model.generate(**generate_kwargs)`, `problems_per_call` prompts
-    (left-padded) per call, each checked by `correct` and counted by every flag against its problem's row."""
+    (left-padded) per call, each checked by `correct` and counted by every flag against its problem's row. The model
+    runs in eval mode, its own mode set back after."""
     flags = flags or {}
+    was_training = model.training
+    model.eval()
     scored = Scored(flagged=dict.fromkeys(flags, 0))
     for start in range(0, len(prompts), problems_per_call):
         inputs = tokenizer(
@@ -102,6 +105,7 @@ def sample_and_score(
             scored.correct.append([correct(text, problem) for text in own])
             for name, flag in flags.items():
                 scored.flagged[name] += sum(flag(text, problem) for text in own)
+    model.train(was_training)
     return scored
 
 
@@ -142,8 +146,6 @@ def evaluate(
     untouched, so how often a run is evaluated does not change what it trains on. With `bf16` it runs under bf16
     autocast, as the trainers' models do once accelerate has wrapped them, so a model before training and the trained
     ones are evaluated at the same precision."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     common = dict(
         max_new_tokens=settings.max_new_tokens,
@@ -191,7 +193,6 @@ def evaluate(
             metrics["max_length"] = max(sampled.lengths)
             metrics["truncated"] = sampled.truncated / completions
             metrics.update({name: count / completions for name, count in sampled.flagged.items()})
-    model.train(was_training)
     return metrics
 
 
@@ -248,8 +249,6 @@ class MathAccuracyCallback(TrainerCallback):
             tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows
         ]
         with unwrap_model_for_generation(trainer.model_wrapped, accelerator) as model:
-            was_training = model.training
-            model.eval()
             scored = sample_and_score(
                 model,
                 tokenizer,
@@ -266,7 +265,6 @@ class MathAccuracyCallback(TrainerCallback):
                 num_return_sequences=self.k,
                 pad_token_id=tokenizer.pad_token_id,
             )
-            model.train(was_training)
         counts = [c for share in gather_object([[sum(c) for c in scored.correct]]) for c in share]
         metrics = {
             "eval/accuracy": sum(counts) / max(len(counts) * self.k, 1),
