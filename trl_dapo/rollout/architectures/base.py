@@ -31,8 +31,9 @@ class DecoderArchitecture(ABC):
     model_types: ClassVar[tuple[str, ...]]
     """The `config.model_type` values this family serves."""
 
+    @abstractmethod
     def __init__(self, model: torch.nn.Module) -> None:
-        self.config = model.config
+        """Keep what the family's methods read from the model (e.g. its rotary module)."""
 
     @classmethod
     def unsupported_reason(cls, config: PretrainedConfig) -> str | None:

@@ -18,7 +18,6 @@ class LlamaArchitecture(DecoderArchitecture):
     model_types = ("llama", "mistral", "qwen2")
 
     def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model)
         self.rotary = model.model.rotary_emb
 
     @classmethod
