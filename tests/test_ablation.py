@@ -343,6 +343,14 @@ def test_summary_pairs_runs_by_seed_reads_the_targets_and_reports_failures():
     paged_time = read["paged_wall_clock_to_grpo_final_over_grpo"]
     assert paged_time["by_seed"] == [pytest.approx(0.2), pytest.approx(0.2), math.inf] and paged_time["reached"] == 2
     assert not read["paged_within_half_grpo_wall_clock"]  # a seed that never reaches it is not within half
+    lighter = [json.loads(json.dumps(r)) for r in records]  # seed 2's engine run shared the device with fewer
+    lighter[2]["runs"]["dapo_paged_engine"]["memory_share"] = 0.22  # workers than its GRPO run: not compared
+    for record in lighter:
+        record["runs"]["grpo"]["memory_share"] = 0.15
+        record["runs"]["dapo_paged_engine"].setdefault("memory_share", 0.15)
+    lighter_time = summarize(config, lighter)["targets_read"]
+    assert lighter_time["paged_wall_clock_to_grpo_final_over_grpo"]["equal_sharing"] == [True, True, False]
+    assert lighter_time["paged_within_half_grpo_wall_clock"]  # seeds 0 and 1: 0.2 of GRPO's time
     left = summarize(config, records[:1])["left"]  # seeds 1 and 2 not run yet: every one of their runs is left
     assert left == [[seed, name] for seed in (1, 2) for name in ("grpo", "clip_higher", "dapo_paged_engine")]
 
