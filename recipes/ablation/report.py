@@ -251,7 +251,7 @@ def read_targets(config: StudyConfig, records: list[dict], metric: str) -> dict:
         "by_seed": fractions,
         "equal_sharing": equal_sharing,
         "reached": reached,
-        "median": statistics.median(fractions) if fractions else None,
+        "median_where_alike": statistics.median(compared) if compared else None,
     }
     result["paged_within_half_grpo_wall_clock"] = bool(compared) and all(f <= 0.5 for f in compared)
     return result
