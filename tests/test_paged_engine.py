@@ -607,6 +607,15 @@ def test_a_llama_with_biases_the_engine_would_not_apply_is_refused(model_and_tok
             engine_for(model, tokenizer)
 
 
+def test_a_model_with_a_sliding_window_shorter_than_its_context_is_refused_by_the_engine_itself(model_and_tokenizer):
+    """The refusal is the architecture's, so an engine built without the trainer (benchmarks, scripts) refuses too:
+    past the window its logprobs would not be the training forward's."""
+    _, tokenizer = model_and_tokenizer
+    model = AutoModelForCausalLM.from_config(tiny_config(MistralConfig, tokenizer, sliding_window=16))
+    with pytest.raises(UnsupportedArchitecture, match=r"sliding-window attention \(a window of 16 tokens; the engine"):
+        engine_for(model, tokenizer)
+
+
 @pytest.mark.parametrize(
     ("option", "reason"),
     [

@@ -10,7 +10,7 @@ import torch
 from ..rollout import PagedRolloutEngine, TokenSampling
 from ..rollout.architectures import unsupported_reason
 from ..rollout.sharded import is_zero3, parameter_gather
-from ..rollout.weights import base_model, sliding_window
+from .passes import base_model
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +56,10 @@ def why_engine_cannot_serve(trainer) -> str | None:
     settings = why_settings_rule_out_engine(args, trainer.rollout_func, bool(trainer.tools))
     if settings is not None:
         return settings
-    config = base_model(trainer.accelerator.unwrap_model(trainer.model)).config
-    architecture = unsupported_reason(config)
+    architecture = unsupported_reason(base_model(trainer).config)
     checks = [
         (trainer._is_vlm, "multimodal model"),
         (architecture is not None, architecture),
-        (
-            sliding_window(config) is not None,
-            f"sliding-window attention (a window of {sliding_window(config)} tokens; the engine attends to the whole "
-            "context)",
-        ),
         (
             is_zero3(trainer) and not args.ds3_gather_for_generation,
             "ds3_gather_for_generation=False asks for no full copy of the weights, which the engine keeps",

@@ -1,8 +1,8 @@
 """Llama, Mistral and Qwen2: one layout (`self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, two RMS norms per
 layer, a SiLU-gated MLP, Hugging Face's rotary module). They differ only in whether q/k/v carry a bias (Qwen2's do),
-which the snapshot keeps, and in Mistral's sliding window, which the trainer refuses before it builds an engine
-(`weights.sliding_window`). Llama's `attention_bias` (which biases the output projection too), `mlp_bias` and any
-activation but SiLU are options the engine does not implement: `unsupported_reason` names them."""
+which the snapshot keeps, and in Mistral's sliding window. A window shorter than the context, Llama's
+`attention_bias` (which biases the output projection too), `mlp_bias` and any activation but SiLU are options the
+engine does not implement: `unsupported_reason` names them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
-from ..weights import cat_linear, linear_weight
+from ..weights import cat_linear, linear_weight, sliding_window
 from .base import DecoderArchitecture
 
 
@@ -27,6 +27,9 @@ class LlamaArchitecture(DecoderArchitecture):
         for option in ("attention_bias", "mlp_bias"):  # attention_bias biases o_proj too
             if getattr(config, option, False):
                 return f"{option}=True (the rollout engine applies biases to q/k/v only)"
+        window = sliding_window(config)
+        if window is not None:
+            return f"sliding-window attention (a window of {window} tokens; the engine attends to the whole context)"
         return None
 
     def read_layer(self, layer: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
