@@ -74,16 +74,15 @@ def sample_and_score(
     prompts: list[str],
     problems: Sequence[Mapping[str, Any]],
     correct: Check,
-    samples: int,
     problems_per_call: int,
     device: torch.device,
     flags: Mapping[str, Check] | None = None,
     mechanisms: bool = False,
     **generate_kwargs: Any,
 ) -> Scored:
-    """`samples` completions of each prompt by `model.generate(**generate_kwargs)`, `problems_per_call` prompts
-    (left-padded) per call, each checked by `correct` and counted by every flag against its problem's row. The model
-    runs in eval mode, its own mode set back after."""
+    """The completions of each prompt by `model.generate(**generate_kwargs)` (as many per prompt as its settings
+    return), `problems_per_call` prompts (left-padded) per call, each checked by `correct` and counted by every flag
+    against its problem's row. The model runs in eval mode, its own mode set back after."""
     flags = flags or {}
     was_training = model.training
     model.eval()
@@ -97,6 +96,7 @@ def sample_and_score(
             add_special_tokens=False,
         ).to(device)
         output = model.generate(**inputs, **generate_kwargs)
+        samples = output.size(0) // inputs["input_ids"].size(0)
         if mechanisms:
             _measure(model, tokenizer, inputs, output, samples, scored)
         texts = tokenizer.batch_decode(output[:, inputs["input_ids"].size(1) :], skip_special_tokens=True)
@@ -162,7 +162,6 @@ def evaluate(
             prompts,
             problems,
             correct,
-            samples,
             per_call,
             device,
             flags=flags,
@@ -255,7 +254,6 @@ class MathAccuracyCallback(TrainerCallback):
                 prompts,
                 rows,
                 _math_correct,
-                self.k,
                 self.batch_size,
                 accelerator.device,
                 do_sample=True,
