@@ -3,9 +3,12 @@ launches."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from datasets import Dataset
@@ -13,7 +16,7 @@ from datasets import Dataset
 from trl_dapo import DAPOConfig
 
 TESTS = Path(__file__).parent
-CPU_DDP = TESTS.parent / "recipes" / "accelerate" / "cpu_ddp.yaml"
+ACCELERATE_CONFIGS = TESTS.parent / "recipes" / "accelerate"
 CPU_ARGS = dict(use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
 
 
@@ -60,16 +63,47 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch_worker(script: str, processes: int, model: str, output: Path, timeout: int = 600) -> None:
-    """`accelerate launch` a worker of tests/ on CPU processes (gloo) with the model folder and an output path; a run
-    past `timeout` seconds (ranks waiting on each other) fails."""
+def launch_worker(
+    script: str, processes: int, model: str, output: Path, *args: str, config: str = "cpu_ddp", timeout: int = 600
+) -> None:
+    """`accelerate launch` a worker of tests/ on CPU processes (gloo) under one of the recipes' accelerate configs
+    (from the repository root, where their DeepSpeed JSON paths start) with the model folder, an output path and
+    `args`; a run past `timeout` seconds (ranks waiting on each other) fails."""
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP),
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIGS / f"{config}.yaml"),
         "--num_processes", str(processes), "--main_process_port", str(free_port()),
-        str(TESTS / script), model, str(output),
+        str(TESTS / script), model, str(output), *args,
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=TESTS, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, cwd=TESTS.parent, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def spawn_ranks(script: str, processes: int, *args: str, one_device: bool = False, timeout: int = 600) -> None:
+    """Start the processes of a distributed run of a worker of tests/ ourselves, as torchrun would: for launchers
+    accelerate has no config for. `one_device`: every rank on the first CUDA device (each with LOCAL_RANK 0), for
+    several ranks sharing one GPU over gloo; else rank r is local rank r (CPU ranks, DeepSpeed's among them)."""
+    port = str(free_port())
+    runs = []
+    with contextlib.ExitStack() as files:
+        for rank in range(processes):
+            local = "0" if one_device else str(rank)
+            environment = {
+                **os.environ, "RANK": str(rank), "WORLD_SIZE": str(processes), "LOCAL_RANK": local,
+                "LOCAL_WORLD_SIZE": "1" if one_device else str(processes), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            }  # fmt: skip
+            log = files.enter_context(tempfile.TemporaryFile("w+"))  # a pipe could fill and stall a rank
+            command = [sys.executable, str(TESTS / script), *args]
+            runs.append((subprocess.Popen(command, cwd=TESTS, env=environment, stderr=log, text=True), log))
+        try:
+            for run, _ in runs:
+                run.wait(timeout=timeout)
+        finally:
+            for run, _ in runs:
+                run.kill()
+        for rank, (run, log) in enumerate(runs):
+            log.seek(0)
+            assert run.returncode == 0, f"rank {rank}: {log.read()[-4000:]}"
 
 
 def trained_rows(trainer, micro_batches=None) -> dict:

@@ -1,5 +1,6 @@
-"""A real 2-process data-parallel run (accelerate, gloo, CPU) against a 1-process run of the same global batch, and
-the tiny model built on every rank."""
+"""A real 2-process data-parallel run against a 1-process run of the same global batch, and the tiny model built on
+every rank: on the CPU (accelerate, gloo), and where CUDA runs, the same two ranks sharing the one GPU (gloo on CUDA
+tensors, float32)."""
 
 import json
 from pathlib import Path
@@ -7,18 +8,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import launch_worker
+from helpers import launch_worker, spawn_ranks
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def launch(processes: int, model: str, output: Path) -> dict:
-    launch_worker("dist_worker.py", processes, model, output)
+def launch(processes: int, model: str, output: Path, device: str) -> dict:
+    if device == "cuda":
+        spawn_ranks("dist_worker.py", processes, model, str(output), "cuda", one_device=True, timeout=1200)
+    else:
+        launch_worker("dist_worker.py", processes, model, output)
     return torch.load(output, weights_only=True)
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_model, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("dist")
-    return launch(1, tiny_model, folder / "one.pt"), launch(2, tiny_model, folder / "two.pt")
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=CUDA)])
+def runs(request, tiny_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"dist-{request.param}")
+    one = launch(1, tiny_model, folder / "one.pt", request.param)
+    return one, launch(2, tiny_model, folder / "two.pt", request.param)
 
 
 @pytest.mark.distributed
@@ -128,6 +135,47 @@ def test_several_passes_per_micro_batch_defer_their_gradient_sync_to_the_last(ru
     assert_same_update(one, two, tiny_model)
     for world in runs:
         assert_same_update(world["recomputed"], world["recomputed_capped"], tiny_model)
+
+
+@pytest.mark.distributed
+def test_a_rank_whose_rounds_find_nothing_informative_trains_the_other_ranks_groups(runs, tiny_model):
+    """Only rank 0's share of the first round is informative and later rounds find nothing: the groups found are
+    dealt to both ranks, so rank 1 trains rows it did not generate, and the update is the 1-rank run's."""
+    one, two = (run["lonely"] for run in runs)
+    metrics = two["metrics"][0]
+    assert metrics["dapo/gen_batches"] == 2 and metrics["dapo/partial_batch"] == 1.0
+    assert metrics["dapo/qualified_groups"] == one["metrics"][0]["dapo/qualified_groups"] >= 1
+    assert all(sum(rank_rows) > 0 for rank_rows in two["micro_batch_rows"])
+    assert one["rows"] == two["rows"]
+    assert_same_update(one, two, tiny_model)
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_saved_and_resumed_on_the_same_ranks_continues_the_run(runs, tiny_model):
+    """Two steps straight against the first step's checkpoint resumed for the second: the same last generation batch
+    and the same parameters (AdamW: its state comes back too), on 1 and on 2 ranks."""
+    for world in runs:
+        straight, resumed = world["straight"], world["resumed"]
+        assert resumed["global_step"] == straight["global_step"] == 2
+        assert 2 * len(resumed["rows"]) == len(straight["rows"])  # the resumed run generated the second batch only
+        assert resumed["rows"] == straight["rows"][len(resumed["rows"]) :]
+        for name, value in straight["parameters"].items():
+            torch.testing.assert_close(resumed["parameters"][name], value, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.distributed
+def test_the_engine_holds_the_same_weights_on_every_rank_after_each_sync(runs):
+    """Each optimizer step's generation synchronises the engine with the training model: on 2 ranks both engines hold
+    the same weights after every synchronisation, and the second differs from the first (the step moved them)."""
+    for world in runs:
+        syncs = world["engine"]["engine_syncs"]  # per rank, per synchronisation
+        assert all(len(rank_syncs) == 2 for rank_syncs in syncs)
+        for rank_syncs in syncs[1:]:
+            for mine, first in zip(rank_syncs, syncs[0], strict=True):
+                assert mine.keys() == first.keys()
+                assert all(torch.equal(mine[name], first[name]) for name in first)
+        before, after = syncs[0]
+        assert any(not torch.equal(before[name], after[name]) for name in before)
 
 
 def streamed_prompts(run: dict) -> list[int]:

@@ -23,6 +23,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from ..rollout import weights
 from ..rollout_batch import OLD_LOGPROBS_STEP, RolloutBatch, count_loss_tokens, loss_mask
 from .batch_metrics import append_metrics
+from .deepspeed_skip import skip_next_update
 from .loss import active_mean, dapo_policy_loss
 from .micro_batches import MicroBatch, split_generation_batch
 from .mismatch import mismatch_metrics, rollout_correction
@@ -93,7 +94,8 @@ class TrainingPasses:
 
         An optimizer step with no rows at all (dynamic sampling trained on a partial batch) is skipped: no gradient
         reaches the parameters (`.grad` stays None), so torch's optimizers leave them and their state alone; it is
-        counted in `dapo/skipped_steps`. fp16's scaler and DeepSpeed cannot skip one and refuse it."""
+        counted in `dapo/skipped_steps` (under DeepSpeed, whose optimizers would step zero gradients, its update is
+        suspended for that step: `deepspeed_skip.py`). fp16's gradient scaler cannot skip one and refuses it."""
         args, accumulation = self.args, self.args.gradient_accumulation_steps
         optimizer_steps = args.steps_per_generation // accumulation
         costs = None
@@ -118,13 +120,6 @@ class TrainingPasses:
             raise ValueError(
                 "Dynamic sampling found no informative group for an optimizer step, which is then skipped, but fp16's "
                 "gradient scaler cannot step without gradients. Use bf16, or dynamic_sampling_on_limit='raise'."
-            )
-        if empty_steps and self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise ValueError(
-                "Dynamic sampling found no informative group for an optimizer step, which is then skipped, but "
-                "DeepSpeed's optimizers step their flat partitions with zero gradients where there are none: Adam's "
-                "momentum and weight decay would still move the weights. Use max_num_gen_batches=0 (rounds until the "
-                "batch is full) or dynamic_sampling_on_limit='raise', or train with DDP or FSDP2."
             )
         if empty_steps and self.accelerator.is_main_process:
             logger.warning(
@@ -246,10 +241,12 @@ class TrainingPasses:
 
     def _empty_pass(self) -> RolloutBatch:
         """One row of a pad token prompt and a pad token completion, nothing counted: the forward a rank runs when
-        another rank has one more pass."""
+        another rank has one more pass, trained (with zero weight) where DeepSpeed needs a backward."""
         pad = torch.full((1, 1), self.pad_token_id, device=self.accelerator.device)
         ones = torch.ones_like(pad)
-        return {"prompt_ids": pad, "prompt_mask": ones, "completion_ids": pad, "completion_mask": ones}
+        advantages = torch.zeros(1, device=self.accelerator.device)
+        rows = {"prompt_ids": pad, "prompt_mask": ones, "completion_ids": pad, "completion_mask": ones}
+        return {**rows, "advantages": advantages}
 
     # ---------------------------------------------------------------------------------------------------- loss
 
@@ -263,10 +260,14 @@ class TrainingPasses:
             loss = self._pass_loss(model, inputs, step_tokens, metrics, weight=1.0, aux_weight=1.0, mode="eval")
             append_metrics(self.metrics["eval"], metrics.flush(self.accelerator))
             return loss
-        if not inputs.passes:
-            # No forward pass and no gradient reaching the parameters (a micro-batch no rank has rows for): an
-            # optimizer step made only of these leaves `.grad` None, so torch's optimizers leave the parameters and
-            # their state as they were (DeepSpeed would not: `micro_batches` refuses such a step there).
+        if not inputs.passes and self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            # A micro-batch no rank has rows for. DeepSpeed reduces gradients in every backward and needs some: a
+            # zero-weight stand-in pass gives every parameter its zero gradient (on every rank: a ZeRO-3 forward is a
+            # collective); a step made only of these has its update suspended below.
+            loss = self._pass_loss(model, self._empty_pass(), inputs.step_tokens, inputs.metrics, 0.0, 0.0)
+        elif not inputs.passes:
+            # No forward pass and no gradient reaching the parameters: an optimizer step made only of these leaves
+            # `.grad` None, so torch's optimizers leave the parameters and their state as they were.
             loss = torch.zeros((), device=self.accelerator.device, requires_grad=True)
         else:
             earlier = torch.zeros((), device=self.accelerator.device)
@@ -284,6 +285,8 @@ class TrainingPasses:
             append_metrics(self.metrics["train"], inputs.metrics.flush(self.accelerator))
         elif inputs.ends_step:
             self.skipped_steps += 1
+            if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+                skip_next_update(self.accelerator.deepspeed_engine_wrapped.engine)
         return loss
 
     @contextlib.contextmanager
