@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accelerate import PartialState
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from reporting import format_summary, plot_training, summarize
 from trl_dapo import DAPOConfig, DAPOTrainer
@@ -122,11 +122,13 @@ def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: Mo
     check_set_up(training_args, reward_funcs, train_dataset=train_dataset)  # before a model is built or loaded
     if model_args.model_name_or_path:
         model = model_args.model_name_or_path
+        # as TRL's GRPO script loads a model: ModelConfig's loading fields, then any model_init_kwargs given
         training_args.model_init_kwargs = {
             "revision": model_args.model_revision,
-            "trust_remote_code": model_args.trust_remote_code,
+            "trust_remote_code": training_args.trust_remote_code,
             "attn_implementation": model_args.attn_implementation,
             "dtype": model_args.dtype,
+            **(training_args.model_init_kwargs or {}),
         }
     else:
         model = build_offline_model(script_args, training_args, train_dataset)
@@ -137,6 +139,7 @@ def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: Mo
         args=training_args,
         train_dataset=train_dataset,
         peft_config=get_peft_config(model_args),
+        quantization_config=get_quantization_config(model_args),
     )
     if eval_dataset is not None and script_args.eval_num_samples > 0:
         trainer.add_callback(

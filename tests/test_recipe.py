@@ -70,6 +70,24 @@ def test_tiny_recipe_runs_end_to_end(tmp_path):
     assert (output / "adapter_config.json").exists()  # LoRA through TRL's ModelConfig
 
 
+def test_a_model_path_is_loaded_with_the_model_configs_fields(tiny_model, tmp_path):
+    """`--model_name_or_path` (the 7B command's path): loaded through TRL with ModelConfig's loading fields and
+    `trust_remote_code` from the training config, as TRL's GRPO script does; model_init_kwargs given win."""
+    from dapo_math import main
+
+    script, config, model = parse(
+        "--config", str(ROOT / "recipes/configs/tiny_cpu.yaml"), "--model_name_or_path", tiny_model,
+        "--output_dir", str(tmp_path / "run"), "--max_steps", "1", "--report_to", "none", "--summary_window", "1",
+        "--model_init_kwargs", '{"dtype": "bfloat16"}',
+    )  # fmt: skip
+    summary = main(script, config, model)
+    assert config.model_init_kwargs == {
+        "revision": "main", "trust_remote_code": False, "attn_implementation": None, "dtype": "bfloat16",
+    }  # fmt: skip
+    assert summary["dapo/gen_batches"]["last"] >= 1
+    assert not (tmp_path / "run" / "tiny-model").exists()  # the given model, not the offline one
+
+
 def test_help_prints():
     """Every help string reaches argparse, which reads "%" as a format directive."""
     result = subprocess.run(
