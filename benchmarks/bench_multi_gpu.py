@@ -5,12 +5,15 @@ generation speed with sharded weights.
     python3 -m benchmarks.bench_multi_gpu --tiny --configs cpu_ddp         # CPU processes over gloo, tiny model
     python3 -m benchmarks.bench_multi_gpu --rollout --processes 1          # GPUs: the engine under ZeRO-3 / ZeRO-2 /
                                                                           # FSDP2 vs TRL's path under ZeRO-3, 0.5B arch
+    python3 -m benchmarks.bench_multi_gpu --rollout --variable-lengths --processes 1   # every launch config at DAPO's
+                                                                          # lengths (1.5B arch, up to 4,096 tokens)
 
 For each accelerate config it launches `multi_gpu_worker.py` once with 1 process and once with N, then reports the
 relative difference of the parameter updates (‖Δ_N − Δ_1‖ / ‖Δ_1‖), the step-time speed-up and the peak memory per
 rank. With `--rollout` it launches each `config:generation` of `--rollout-runs` with N processes generating
 `--new-tokens` tokens per completion (DAPO steps on the model's own completions) and reports generated tokens/s over
-all ranks (the slowest rank's generation time), the step time, the largest engine-vs-training logprob gap (it stays
+all ranks (the slowest rank's generation time) and per GPU, the step time (against `single_gpu`'s when it ran), the
+training time (the step past generating and scoring its batch), the largest engine-vs-training logprob gap (it stays
 at rounding size only if the engine decodes with the training weights) and the peak memory per rank. Prints a table
 last and writes `benchmarks/results/bench_multi_gpu[_rollout]_<device>.json`.
 """
@@ -103,35 +106,51 @@ def update_equivalence(args, model: str, folder: Path) -> list[dict]:
 def rollout_speed(args, model: str, folder: Path) -> list[dict]:
     rows = []
     geometry = ["--rows-per-step", str(args.rows_per_step), "--ga", str(args.ga), "--new-tokens", str(args.new_tokens)]
+    geometry += ["--variable-lengths"] * args.variable_lengths + [
+        "--gradient-checkpointing"
+    ] * args.gradient_checkpointing
     for run in args.rollout_runs:
         config, generation = run.split(":")
         output = folder / f"{config}-{generation}"
         ranks = launch(config, args.processes, model, output, args.steps, "--generation", generation, *geometry)
         generation_s = max(statistics.mean(measured(r["generation_s"])) for r in ranks)  # the slowest rank's
+        step_s = statistics.median(measured(ranks[0]["step_times_s"]))
+        batch_s = max(statistics.mean(measured(r["generate_and_score_s"])) for r in ranks)
         gaps = [m["logprob_gap_max"] for r in ranks for m in r["metrics"] if "logprob_gap_max" in m]
+        tokens = sum(r["generated_tokens_per_step"] for r in ranks)
         rows.append(
             {
                 "config": config,
                 "generation": generation,
                 "processes": args.processes,
                 "rollout_engine": all(r["rollout_engine"] for r in ranks),
+                "generated_tokens_per_step": tokens,
                 "generation_s": generation_s,
-                "generation_tokens_per_s": sum(r["generated_tokens_per_step"] for r in ranks) / generation_s,
-                "step_s": statistics.median(measured(ranks[0]["step_times_s"])),
+                "generation_tokens_per_s": tokens / generation_s,
+                "generation_tokens_per_s_per_gpu": tokens / generation_s / args.processes,
+                "step_s": step_s,
+                "training_s": step_s - batch_s,  # the step past generating, scoring and dealing its batch
                 "logprob_gap_max": max(gaps) if gaps else None,
                 "peak_memory_gib_per_rank": [r["peak_memory_gib"] for r in ranks],
             }
         )
-    trl = next((r for r in rows if r["generation"] == "trl"), None)  # the baseline: the first run on TRL's path
-    baseline = f"vs TRL's path ({trl['config']})" if trl else "vs TRL's path"
-    print(f"| config | generation | ranks | generation s | generated tok/s | {baseline} | step s | logprob gap max | peak GiB per rank |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    # the baselines: the first run on TRL's path, and the one-GPU config
+    trl = next((r for r in rows if r["generation"] == "trl"), None)
+    single = next((r for r in rows if r["config"] == "single_gpu"), None)
+    print(
+        "| config | generation | ranks | generated tokens per step | generation s | generated tok/s per GPU | "
+        f"{'vs TRL' if trl else ''} | step s | {'step / single_gpu' if single else ''} | training s | "
+        "logprob gap max | peak GiB per rank |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        speedup = f"{r['generation_tokens_per_s'] / trl['generation_tokens_per_s']:.1f}×" if trl else ""
+        versus_trl = f"{r['generation_tokens_per_s'] / trl['generation_tokens_per_s']:.1f}×" if trl else ""
+        versus_single = f"{r['step_s'] / single['step_s']:.2f}×" if single else ""
         gap = f"{r['logprob_gap_max']:.3f}" if r["logprob_gap_max"] is not None else "-"
         print(
-            f"| {r['config']} | {r['generation']} | {r['processes']} | {r['generation_s']:.3f} | "
-            f"{r['generation_tokens_per_s']:,.0f} | {speedup} | {r['step_s']:.3f} | {gap} | {memory_cell(r)} |"
+            f"| {r['config']} | {r['generation']} | {r['processes']} | {r['generated_tokens_per_step']:,.0f} | "
+            f"{r['generation_s']:.2f} | {r['generation_tokens_per_s_per_gpu']:,.0f} | {versus_trl} | {r['step_s']:.2f} | "
+            f"{versus_single} | {r['training_s']:.2f} | {gap} | {memory_cell(r)} |"
         )
     return rows
 
@@ -144,14 +163,33 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (the first is the warm-up for timing)")
     parser.add_argument("--rollout", action="store_true", help="generation speed instead of update equivalence")
     parser.add_argument(
-        "--rollout-runs", nargs="*", default=["zero3:engine", "zero2:engine", "fsdp2:engine", "zero3:trl"]
+        "--rollout-runs",
+        nargs="*",
+        default=None,
+        help="config:generation runs (default: zero3:engine zero2:engine fsdp2:engine zero3:trl; with "
+        "--variable-lengths every config on the engine, single_gpu first)",
     )
+    parser.add_argument(
+        "--variable-lengths",
+        action="store_true",
+        help="--rollout: lengths as the model samples them up to --new-tokens (default 4,096 there), on the "
+        "Qwen2.5-1.5B architecture with the 2,048-token vocabulary, gradient checkpointing on",
+    )
+    parser.add_argument("--model", default=None, help="a config of benchmarks/configs (default: by mode)")
     parser.add_argument("--rows-per-step", type=int, default=128, help="--rollout: completions per optimizer step")
     parser.add_argument("--ga", type=int, default=4, help="--rollout: gradient accumulation steps")
-    parser.add_argument("--new-tokens", type=int, default=256, help="--rollout: tokens per completion")
+    parser.add_argument("--new-tokens", type=int, default=None, help="--rollout: tokens per completion (256)")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
-    model = "tiny" if args.tiny else "qwen2.5-0.5b" if args.rollout else "qwen2.5-1.5b"
+    args.gradient_checkpointing = args.variable_lengths
+    if args.rollout_runs is None:
+        configs = ["single_gpu", "ddp", "zero2", "zero3", "fsdp2"]
+        default_runs = [f"{c}:engine" for c in configs] if args.variable_lengths else None
+        args.rollout_runs = default_runs or ["zero3:engine", "zero2:engine", "fsdp2:engine", "zero3:trl"]
+    if args.new_tokens is None:
+        args.new_tokens = 4096 if args.variable_lengths else 256
+    model = "qwen2.5-1.5b-v2048" if args.variable_lengths else "qwen2.5-0.5b" if args.rollout else "qwen2.5-1.5b"
+    model = "tiny" if args.tiny else args.model or model
     folder = Path(tempfile.mkdtemp())
     rows = rollout_speed(args, model, folder) if args.rollout else update_equivalence(args, model, folder)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"

@@ -4,7 +4,7 @@ completions the model generates.
 Launched by `accelerate launch` with 1 or N processes. With `--generation scripted` the scripted rollout makes the
 global generation batch the same whatever the number of ranks, so the parameter update of N ranks can be compared with
 1 rank's, and rank 0 writes the update (fp32). With `engine` or `trl` the model generates `--new-tokens` tokens per
-completion through the rollout engine or TRL's path, and each rank records its generation time per step. Every rank
+completion (with `--variable-lengths`: up to that many, as it samples them) through the rollout engine or TRL's path, and each rank records its generation time per step. Every rank
 writes its step times and peak memory.
 """
 
@@ -40,6 +40,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--generation", choices=["scripted", "engine", "trl"], default="scripted")
     parser.add_argument("--new-tokens", type=int, default=8, help="completion length when the model generates")
+    parser.add_argument(
+        "--variable-lengths", action="store_true", help="lengths as the model samples them, up to --new-tokens"
+    )
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
@@ -62,11 +66,11 @@ def main() -> None:
     if args.generation == "scripted":
         rollout = dict(rollout_func=ScriptedRollout(tokenizer, vocab_low=3, vocab_high=min(config.vocab_size, 5000)))
         generation = {}
-    else:  # every completion exactly --new-tokens long; a constant-length reward would filter every group
+    else:  # pinned: every completion exactly --new-tokens long (a constant-length reward would filter every group)
         rollout = {}
         generation = dict(
             rollout_engine="paged" if args.generation == "engine" else "trl",
-            generation_kwargs={"min_new_tokens": args.new_tokens},
+            generation_kwargs={} if args.variable_lengths else {"min_new_tokens": args.new_tokens},
             dynamic_sampling=False,
             overlong_buffer_len=0,
         )
@@ -87,7 +91,7 @@ def main() -> None:
             max_grad_norm=0.0,
             bf16=cuda,
             use_cpu=not cuda,
-            gradient_checkpointing=False,
+            gradient_checkpointing=args.gradient_checkpointing,
             report_to=[],
             logging_steps=1,
             save_strategy="no",
@@ -110,6 +114,10 @@ def main() -> None:
         "world": world,
         "step_times_s": timer.times,
         "generation_s": [sum(t for s, t in sections.get("generation", []) if s == step) for step in range(args.steps)],
+        # generation, scoring and bookkeeping of each step's batch; the rest of the step is training
+        "generate_and_score_s": [
+            sum(t for s, t in sections.get("generate_and_score", []) if s == step) for step in range(args.steps)
+        ],
         "generated_tokens_per_step": sum(tokens for _, tokens in generated) / max(args.steps, 1),
         "rollout_engine": trainer.rollout_engine is not None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 # The tiny local model (trl_dapo.testing): vocabulary 366, hidden 64, MLP 128, 2 layers, 4 query / 2 key-value heads
 # of 16 dims, q/k/v biases, tied embeddings. Parameters: per layer q 64*64+64, k and v 64*32+32 each, o 64*64,
@@ -159,8 +161,8 @@ def test_multi_gpu_bench_on_cpu_processes_matches_one_rank(tmp_path):
 
 
 def test_multi_gpu_rollout_bench_on_cpu_processes(tmp_path):
-    """The `--rollout` runs (here without sharding: the CPU cannot run ZeRO or accelerate's FSDP) report every rank's
-    generated tokens, with the engine where asked and TRL's path otherwise."""
+    """The `--rollout` runs report every rank's generated tokens, with the engine where asked and TRL's path
+    otherwise."""
     output = tmp_path / "rollout.json"
     command = [
         sys.executable, "-m", "benchmarks.bench_multi_gpu", "--tiny", "--rollout", "--rollout-runs",
@@ -178,6 +180,27 @@ def test_multi_gpu_rollout_bench_on_cpu_processes(tmp_path):
         assert row["generation_tokens_per_s"] == 16 * 4 / row["generation_s"]  # both ranks' tokens
         assert row["logprob_gap_max"] < 0.05
     assert "| cpu_ddp | engine | 2 |" in result.stdout
+
+
+def test_multi_gpu_bench_runs_each_launch_config_at_variable_lengths(tmp_path):
+    """`--variable-lengths` through the recipes' one-GPU, DeepSpeed and FSDP2 configs (on one CPU process): the same
+    weights and seed generate the same tokens in each, and each step is set against `single_gpu`'s."""
+    pytest.importorskip("deepspeed")
+    output = tmp_path / "configs.json"
+    command = [
+        sys.executable, "-m", "benchmarks.bench_multi_gpu", "--tiny", "--rollout", "--variable-lengths",
+        "--rollout-runs", "single_gpu:engine", "zero2:engine", "fsdp2:engine", "--processes", "1",
+        "--rows-per-step", "16", "--ga", "2", "--new-tokens", "8", "--steps", "2", "--output", str(output),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = json.loads(output.read_text())["rows"]
+    assert [row["config"] for row in rows] == ["single_gpu", "zero2", "fsdp2"]
+    assert len({row["generated_tokens_per_step"] for row in rows}) == 1  # the same generations in every config
+    assert 16 <= rows[0]["generated_tokens_per_step"] <= 16 * 8  # nothing pins the lengths
+    for row in rows:
+        assert row["rollout_engine"] and 0 < row["training_s"] < row["step_s"]
+    assert "| zero2 | engine | 1 |" in result.stdout and "step / single_gpu" in result.stdout
 
 
 def test_check_logprob_gap_tiny_scores_every_sampled_token_and_agrees_in_float32(tmp_path):
