@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..models import base_model
 from .architectures import architecture_for
 from .paged_attention import (
     num_splits,
@@ -44,7 +45,7 @@ from .paged_attention import (
 )
 from .scheduler import Prefix, Scheduler
 from .token_sampling import TokenSampling, pick_tokens, sampling_noise, stop_table
-from .weights import WeightSnapshot, base_model, gather_nothing
+from .weights import WeightSnapshot, gather_nothing
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from accelerate.utils import DistributedType
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from ..rollout import weights
+from .. import models
 from ..rollout_batch import OLD_LOGPROBS_STEP, RolloutBatch, count_loss_tokens, loss_mask
 from .batch_metrics import append_metrics
 from .loss import active_mean, dapo_policy_loss
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 def base_model(trainer: GRPOTrainer) -> torch.nn.Module:
     """The trainer's transformers model: no DDP, DeepSpeed or PEFT wrapper (the object whose attention is set)."""
-    return weights.base_model(trainer.accelerator.unwrap_model(trainer.model))
+    return models.base_model(trainer.accelerator.unwrap_model(trainer.model))
 
 
 def set_up_padding_free(trainer: GRPOTrainer) -> bool:
