@@ -279,7 +279,7 @@ def test_carried_rows_are_trained_next_batch_with_the_logprobs_they_were_sampled
         tiny_model, tmp_path, dynamic_sampling_in_flight="carry", max_completion_length=32, generation_kwargs=None,
         max_steps=3,
     )  # fmt: skip
-    trainer.rollout_engine.sync_every = 2  # rows span several synchronisations: some are in flight when a batch fills
+    trainer.paged_engine.sync_every = 2  # rows span several synchronisations: some are in flight when a batch fills
     trainer.train()
     resumed = 0
     for (_, _, carried), (_, batch, _) in itertools.pairwise(trainer.record):

@@ -106,10 +106,10 @@ class DAPOTrainer(GRPOTrainer):
             if args.dynamic_sampling
             else None
         )
-        self.rollout_engine = select_rollout_engine(self)
+        self.paged_engine = select_rollout_engine(self)
         self.engine_weights = (
-            EngineWeights(self.rollout_engine, lambda: self.accelerator.unwrap_model(self.model))
-            if self.rollout_engine is not None
+            EngineWeights(self.paged_engine, lambda: self.accelerator.unwrap_model(self.model))
+            if self.paged_engine is not None
             else None
         )
         self.padding_free = set_up_padding_free(self)
@@ -129,7 +129,7 @@ class DAPOTrainer(GRPOTrainer):
     def _check_stream_set_up(self) -> None:
         """Stream mode scores groups on the host while the paged engine decodes: say what is missing now that the
         model and every reward function (an environment's too) are known."""
-        if not isinstance(self.rollout_engine, PagedRolloutEngine):
+        if not isinstance(self.paged_engine, PagedRolloutEngine):
             raise stream_without_engine(self.args, "on this set-up TRL's path generates, see the log for why")
         check_stream_reward_functions(self.reward_funcs, self.reward_func_names)
 
@@ -148,7 +148,7 @@ class DAPOTrainer(GRPOTrainer):
                 )
             context.record_generation(context.streamed.logprobs)
             return context.streamed.completions, None
-        if self.rollout_engine is None or images is not None or multimodal_fields:
+        if self.paged_engine is None or images is not None or multimodal_fields:
             context.record_trl_generation()  # again for each tool-calling turn
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
