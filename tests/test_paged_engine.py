@@ -25,6 +25,7 @@ from trl_dapo.rollout.architectures.qwen3 import Qwen3Architecture
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
 from trl_dapo.tiny_model import build_tiny_model
 from trl_dapo.trainer.engine_choice import select_rollout_engine
+from trl_dapo.trainer.trl_view import engine_set_up
 
 
 @pytest.fixture(scope="module")
@@ -639,7 +640,7 @@ def test_a_model_option_the_engine_refuses_falls_back_or_is_refused_at_set_up(
     trainer.args.rollout_engine = "auto"
     monkeypatch.setattr(type(trainer.accelerator), "device", property(lambda accelerator: torch.device("cuda")))
     with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.engine_choice"):
-        assert select_rollout_engine(trainer) is None
+        assert select_rollout_engine(engine_set_up(trainer)) is None
     assert caplog.messages == [f"rollout_engine='auto' falls back to TRL's generation path: {reason}."]
     monkeypatch.undo()
     expected = re.escape(f"DAPOConfig.rollout_engine='paged' cannot be used here: {reason}.")
@@ -675,12 +676,12 @@ def test_an_unsupported_set_up_falls_back_to_trls_path_and_logs_why(unsupported_
     assert trainer.paged_engine is None
     trainer.args.rollout_engine = "auto"
     with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.engine_choice"):
-        assert select_rollout_engine(trainer) is None
+        assert select_rollout_engine(engine_set_up(trainer)) is None
     assert caplog.messages == ["rollout_engine='auto': no CUDA device, using TRL's generation path."]
     caplog.clear()
     monkeypatch.setattr(type(trainer.accelerator), "device", property(lambda accelerator: torch.device("cuda")))
     with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.engine_choice"):
-        assert select_rollout_engine(trainer) is None
+        assert select_rollout_engine(engine_set_up(trainer)) is None
     reason = (
         "model type 'qwen3_moe' is not supported (the rollout engine serves ('llama', 'mistral', 'qwen2', 'qwen3'))"
     )
@@ -688,7 +689,7 @@ def test_an_unsupported_set_up_falls_back_to_trls_path_and_logs_why(unsupported_
     trainer.args.rollout_engine = "paged"
     expected = re.escape(f"DAPOConfig.rollout_engine='paged' cannot be used here: {reason}.")
     with pytest.raises(ValueError, match=f"^{expected}$"):
-        select_rollout_engine(trainer)
+        select_rollout_engine(engine_set_up(trainer))
 
 
 def test_a_sliding_window_model_is_refused_by_the_engine(model_and_tokenizer, tmp_path):
