@@ -216,7 +216,7 @@ def run_variant(
         curve = HeldOutCurve(tokenizer, data["test"], eval_settings(config, seed), config.eval_steps(), reward)
         trainer.add_callback(curve)
         trainer.train()
-        engine = getattr(trainer, "rollout_engine", None)
+        engine = getattr(trainer, "paged_engine", None)
         return {
             "status": "ok",
             "trainer": type(trainer).__name__,
