@@ -7,6 +7,10 @@ PY := $(VENV)/bin/python
 # `make TORCH=torch==2.13.0 TORCH_INDEX=` (PyPI's), or TORCH_INDEX=https://download.pytorch.org/whl/cu130.
 TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# Another TRL than the pinned one, installed over it (pip warns that the pin disagrees): the suite against TRL's next
+# minor once it is published, in a virtual environment of its own, e.g.
+# `make test VENV=.venv-trl1.17 TRL="trl==1.17.*"`. The boundary it checks first: tests/test_trl_boundary.py.
+TRL ?=
 
 .PHONY: install install-deepspeed demo test lint format
 
@@ -16,6 +20,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install -q --no-deps --retries 1 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
+	$(if $(TRL),$(PY) -m pip install -q "$(TRL)")
 	touch $@
 
 install: $(VENV)/.installed

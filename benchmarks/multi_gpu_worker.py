@@ -119,7 +119,7 @@ def main() -> None:
             sum(t for s, t in sections.get("generate_and_score", []) if s == step) for step in range(args.steps)
         ],
         "generated_tokens_per_step": sum(tokens for _, tokens in generated) / max(args.steps, 1),
-        "rollout_engine": trainer.rollout_engine is not None,
+        "rollout_engine": trainer.paged_engine is not None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "metrics": [h for h in trainer.state.log_history if "loss" in h],
     }

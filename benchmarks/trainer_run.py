@@ -152,7 +152,7 @@ def run_trainer(
         "metrics": metrics,
         "logprob_gap_max": max(gaps) if gaps else None,  # train vs rollout logprobs (DAPO logs it)
         # the engine class DAPO generated with (None: TRL's generation path)
-        "rollout_engine": type(trainer.rollout_engine).__name__ if getattr(trainer, "rollout_engine", None) else None,
+        "rollout_engine": type(trainer.paged_engine).__name__ if getattr(trainer, "paged_engine", None) else None,
     }
     result["generation_tokens_per_s"] = completion_tokens / (generation or float("nan"))
     result["training_tokens_per_s"] = completion_tokens / result["train_s"]

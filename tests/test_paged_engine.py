@@ -25,6 +25,7 @@ from trl_dapo.rollout.architectures.qwen3 import Qwen3Architecture
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
 from trl_dapo.tiny_model import build_tiny_model
 from trl_dapo.trainer.engine_choice import select_rollout_engine
+from trl_dapo.trainer.trl_view import engine_set_up
 
 
 @pytest.fixture(scope="module")
@@ -507,7 +508,7 @@ def engine_trainer(tiny_model, tmp_path, **overrides):
 
 def test_trainer_builds_the_engine_from_its_config(tiny_model, tmp_path):
     trainer = engine_trainer(tiny_model, tmp_path, rollout_memory_fraction=0.5, rollout_max_rows=3)
-    engine = trainer.rollout_engine
+    engine = trainer.paged_engine
     assert isinstance(engine, PagedRolloutEngine) and (engine.memory_fraction, engine.max_rows) == (0.5, 3)
     trainer.train()  # 8 rows through 3 decode slots
     gaps = [h["logprob_gap_max"] for h in trainer.state.log_history if "logprob_gap_max" in h]
@@ -519,7 +520,7 @@ def test_the_loss_takes_the_engines_logprobs_as_the_old_policy(tiny_model, tmp_p
     logprobs lowered by 0.25 the ratio must be exp(0.25): it would be 1 if the trainer recomputed the old policy
     itself, or used anything but what the engine returned."""
     trainer = engine_trainer(tiny_model, tmp_path)
-    trainer.engine_weights.engine = ShiftedLogprobs(trainer.rollout_engine, shift=0.25)  # what rounds generate with
+    trainer.engine_weights.engine = ShiftedLogprobs(trainer.paged_engine, shift=0.25)  # what rounds generate with
     trainer.train()
     (logs,) = [h for h in trainer.state.log_history if "ratio_mean" in h]
     assert logs["ratio_mean"] == pytest.approx(math.exp(0.25), abs=2e-4)
@@ -639,7 +640,7 @@ def test_a_model_option_the_engine_refuses_falls_back_or_is_refused_at_set_up(
     trainer.args.rollout_engine = "auto"
     monkeypatch.setattr(type(trainer.accelerator), "device", property(lambda accelerator: torch.device("cuda")))
     with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.engine_choice"):
-        assert select_rollout_engine(trainer) is None
+        assert select_rollout_engine(engine_set_up(trainer)) is None
     assert caplog.messages == [f"rollout_engine='auto' falls back to TRL's generation path: {reason}."]
     monkeypatch.undo()
     expected = re.escape(f"DAPOConfig.rollout_engine='paged' cannot be used here: {reason}.")
@@ -672,15 +673,15 @@ def test_an_unsupported_set_up_falls_back_to_trls_path_and_logs_why(unsupported_
         args=dapo_args(tmp_path, per_device_train_batch_size=8, rollout_engine="trl"),
         train_dataset=arithmetic_prompts(8),
     )
-    assert trainer.rollout_engine is None
+    assert trainer.paged_engine is None
     trainer.args.rollout_engine = "auto"
     with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.engine_choice"):
-        assert select_rollout_engine(trainer) is None
+        assert select_rollout_engine(engine_set_up(trainer)) is None
     assert caplog.messages == ["rollout_engine='auto': no CUDA device, using TRL's generation path."]
     caplog.clear()
     monkeypatch.setattr(type(trainer.accelerator), "device", property(lambda accelerator: torch.device("cuda")))
     with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.engine_choice"):
-        assert select_rollout_engine(trainer) is None
+        assert select_rollout_engine(engine_set_up(trainer)) is None
     reason = (
         "model type 'qwen3_moe' is not supported (the rollout engine serves ('llama', 'mistral', 'qwen2', 'qwen3'))"
     )
@@ -688,7 +689,7 @@ def test_an_unsupported_set_up_falls_back_to_trls_path_and_logs_why(unsupported_
     trainer.args.rollout_engine = "paged"
     expected = re.escape(f"DAPOConfig.rollout_engine='paged' cannot be used here: {reason}.")
     with pytest.raises(ValueError, match=f"^{expected}$"):
-        select_rollout_engine(trainer)
+        select_rollout_engine(engine_set_up(trainer))
 
 
 def test_a_sliding_window_model_is_refused_by_the_engine(model_and_tokenizer, tmp_path):

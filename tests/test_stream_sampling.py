@@ -11,6 +11,8 @@ from helpers import arithmetic_prompts, dapo_args
 from trl_dapo import DAPOTrainer
 from trl_dapo.sampling import DynamicSamplingLimitError, filter_groups
 from trl_dapo.sampling.stream import GroupStream
+from trl_dapo.tiny_model import build_tiny_tokenizer
+from trl_dapo.trainer.scoring import FilterMetric, GroupScorer
 
 PROMPTS = 40
 TARGET_GROUPS = 4  # per_device_train_batch_size 8 x gradient_accumulation_steps 2 / num_generations 4
@@ -29,7 +31,8 @@ class RecordingTrainer(DAPOTrainer):
         batch = super()._collect_generation_batch(inputs)
         if self.model.training:
             batch_copy = {k: v.clone() for k, v in batch.items()}
-            self.record.append(([row["index"] for row in inputs], batch_copy, list(self.sampling_buffer.carried)))
+            carried = list(self.collector.state.carried) if self.args.dynamic_sampling_mode == "stream" else []
+            self.record.append(([row["index"] for row in inputs], batch_copy, carried))
             buffer = self.sampling_buffer
             born_now = (buffer.surplus_birth == self.state.global_step).repeat_interleave(self.num_generations)
             self.surplus_tokens.append(
@@ -279,7 +282,7 @@ def test_carried_rows_are_trained_next_batch_with_the_logprobs_they_were_sampled
         tiny_model, tmp_path, dynamic_sampling_in_flight="carry", max_completion_length=32, generation_kwargs=None,
         max_steps=3,
     )  # fmt: skip
-    trainer.rollout_engine.sync_every = 2  # rows span several synchronisations: some are in flight when a batch fills
+    trainer.paged_engine.sync_every = 2  # rows span several synchronisations: some are in flight when a batch fills
     trainer.train()
     resumed = 0
     for (_, _, carried), (_, batch, _) in itertools.pairwise(trainer.record):
@@ -391,3 +394,40 @@ def test_log_extra_in_stream_mode_warns_once(tiny_model, tmp_path, caplog):
         trainer.train()
     assert caplog.text.count("log_extra columns are not logged in stream mode") == 1
     assert "log_extra('index', ...)" in caplog.text
+
+
+def test_a_group_is_scored_from_explicit_values_as_trl_scores_rows():
+    """`GroupScorer` without a trainer: each reward function gets the prompts, the decoded completions as one
+    assistant message each (conversational prompts), their ids, the dataset's other columns, `trainer_state` and
+    `log_metric`; the rewards are one column per function (NaN where a function skips a completion) and the filter
+    metric is the weighted total. Values by hand: lengths 3 and 1 give 3 - 2 = 1 and 1 - 2 = -1, halved: 0.5, -0.5;
+    the second function skips the first completion and gives 4 to the second; totals 0.5 and -0.5 + 2 x 4 = 7.5."""
+    tokenizer = build_tiny_tokenizer()
+    seen, logged = {}, []
+
+    def length_over_two(prompts, completions, completion_ids, target, trainer_state, log_metric, **kwargs):
+        seen.update(prompts=prompts, completions=completions, target=target, step=trainer_state.global_step)
+        log_metric("lengths", float(sum(map(len, completion_ids))))
+        return [(len(c) - 2) / 2 for c in completion_ids]
+
+    def second_only(completion_ids, **kwargs):
+        return [None, 4.0]
+
+    scorer = GroupScorer(
+        [length_over_two, second_only], ["length", "second"], num_task_rewards=2,
+        decode=tokenizer.batch_decode, log_metric=lambda name, value: logged.append((name, value)),
+        state=lambda: SimpleNamespace(global_step=7), filter_metric=FilterMetric(None, torch.tensor([1.0, 2.0])),
+    )  # fmt: skip
+    prompt = [{"role": "user", "content": "2 + 2?"}]
+    rows = [{"prompt": prompt, "target": 4}, {"prompt": prompt, "target": 4}]
+    rewards, metric = scorer(rows, [1, 2, 3], [[5, 6, 7], [8]])
+    torch.testing.assert_close(rewards, torch.tensor([[0.5, torch.nan], [-0.5, 4.0]]), equal_nan=True)
+    torch.testing.assert_close(metric, torch.tensor([0.5, 7.5]))
+    decoded = tokenizer.batch_decode([[5, 6, 7], [8]], skip_special_tokens=True)
+    assert seen == {
+        "prompts": [prompt, prompt],
+        "completions": [[{"role": "assistant", "content": text}] for text in decoded],
+        "target": [4, 4],
+        "step": 7,
+    }
+    assert logged == [("lengths", 4.0)]  # 3 + 1 completion ids, handed on as they are

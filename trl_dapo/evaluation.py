@@ -203,8 +203,8 @@ class MathAccuracyCallback(TrainerCallback):
     """Every `every` optimizer steps and at the end of training (unless the last step was just evaluated), sample
     `k` completions per held-out problem.
 
-    Results join the next training log as `eval/accuracy` (avg@k) and `eval/pass@k`. Each rank scores a share of the
-    problems; the counts are gathered.
+    Results join the next training log of `trainer` (a `DAPOTrainer`: `add_metrics`) as `eval/accuracy` (avg@k) and
+    `eval/pass@k`. Each rank scores a share of the problems; the counts are gathered.
     """
 
     def __init__(
@@ -234,8 +234,7 @@ class MathAccuracyCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs: Any):
         if self.evaluated_step != state.global_step:  # a second pass would log the same step twice
             self.evaluate()
-        if self.trainer._metrics["train"]:
-            self.trainer.log({})  # flush the final numbers into the log history
+        self.trainer.flush_metrics()  # the final numbers into the log history
 
     def evaluate(self) -> dict[str, float]:
         trainer = self.trainer
@@ -268,6 +267,5 @@ class MathAccuracyCallback(TrainerCallback):
             "eval/accuracy": sum(counts) / max(len(counts) * self.k, 1),
             f"eval/pass@{self.k}": sum(c > 0 for c in counts) / max(len(counts), 1),
         }
-        for name, value in metrics.items():
-            trainer._metrics["train"][name].append(value)
+        trainer.add_metrics(metrics)
         return metrics

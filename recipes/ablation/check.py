@@ -38,7 +38,7 @@ from trl_dapo.evaluation import OVERALL
 
 from .config import StudyConfig
 from .model import build_model, load_tokenizer, warm_start
-from .study import model_dir, read_json, read_start, study_data, weights_digest, write_json
+from .store import model_dir, read_json, read_start, study_data, weights_digest, write_json
 from .variants import VARIANTS, build_trainer
 
 

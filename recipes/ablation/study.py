@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -44,14 +42,25 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_dapo.evaluation import EvalSettings
 
+from .check import check_job, reproduce_job
 from .config import StudyConfig
 from .model import build_model, load_tokenizer, warm_start
 from .plan import estimate, memory_plan, shared
-from .task import addition_splits, evaluate_held_out
+from .store import (
+    START,
+    model_dir,
+    read_json,
+    read_start,
+    result_file,
+    seed_dir,
+    study_data,
+    weights_digest,
+    write_json,
+)
+from .task import evaluate_held_out
 from .variants import Variant, build_trainer, run_order, variant_named
 
 RECIPES = Path(__file__).resolve().parent.parent
-START = "start"  # the start point's file name beside the runs' (no variant is called so)
 REPORT_MARGIN_S = 30.0  # of a time budget, kept for the summary, the plot and copying the results
 REPRODUCE = "reproduce"  # the check's prepare job that warm-starts a seed's start point a second time
 # Training metrics kept per optimizer step (TRL's, DAPOTrainer's and the reward's).
@@ -76,41 +85,6 @@ TRAIN_METRICS = (
 )
 
 
-def seed_dir(output: Path, seed: int) -> Path:
-    return output / "runs" / f"seed{seed}"
-
-
-def result_file(output: Path, seed: int, name: str) -> Path:
-    """The start point's record (`name=START`) or one variant's run."""
-    return seed_dir(output, seed) / f"{name}.json"
-
-
-def model_dir(output: Path, seed: int) -> Path:
-    return output / "models" / f"seed{seed}"
-
-
-def read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def write_json(path: Path, value: dict) -> None:
-    """Whole or not at all: a worker killed while writing leaves no half file behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(value, indent=2))
-    partial.replace(path)
-
-
-def weights_digest(path: Path) -> str:
-    """SHA-256 of the saved model's tensors, by name: equal digests, equal start points."""
-    model = AutoModelForCausalLM.from_pretrained(path)
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 def eval_settings(config: StudyConfig, seed: int) -> EvalSettings:
     """The same evaluation samples for every variant of a seed at a given step (common random numbers)."""
     return EvalSettings(
@@ -124,10 +98,6 @@ def eval_settings(config: StudyConfig, seed: int) -> EvalSettings:
     )
 
 
-def study_data(config: StudyConfig) -> dict:
-    return addition_splits(config.num_train, config.test_per_bucket, config.buckets, config.data_seed)
-
-
 def train_series(log_history: list[dict]) -> dict[str, list[list[float]]]:
     """`metric -> [[step, value], ...]` for the metrics of `TRAIN_METRICS` that were logged."""
     series: dict[str, list[list[float]]] = {}
@@ -136,12 +106,6 @@ def train_series(log_history: list[dict]) -> dict[str, list[list[float]]]:
             if isinstance(entry.get(name), int | float):
                 series.setdefault(name, []).append([entry["step"], float(entry[name])])
     return series
-
-
-def read_start(config: StudyConfig, output: Path, seed: int) -> dict | None:
-    """The seed's recorded start point, if it was made under these settings."""
-    start = read_json(result_file(output, seed, START))
-    return start if start is not None and start.get("settings") == config.start_fingerprint() else None
 
 
 def prepare_seed(config: StudyConfig, output: Path, seed: int) -> dict:
@@ -252,7 +216,7 @@ def run_variant(
         curve = HeldOutCurve(tokenizer, data["test"], eval_settings(config, seed), config.eval_steps(), reward)
         trainer.add_callback(curve)
         trainer.train()
-        engine = getattr(trainer, "rollout_engine", None)
+        engine = getattr(trainer, "paged_engine", None)
         return {
             "status": "ok",
             "trainer": type(trainer).__name__,
@@ -499,8 +463,6 @@ def _worker_main(argv: list[str]) -> None:
             continue
         began = time.perf_counter()
         if args.phase == "prepare" and job.endswith(f":{REPRODUCE}"):
-            from .check import reproduce_job  # (check imports this module)
-
             reproduce_job(config, output, int(job.split(":")[0]))
         elif args.phase == "prepare":
             prepare_seed(config, output, int(job))
@@ -508,8 +470,6 @@ def _worker_main(argv: list[str]) -> None:
             seed, name = job.split(":")
             run_job(config, output, int(seed), name, args.memory_share)
         else:
-            from .check import check_job
-
             seed, learning_rate = job.split(":")
             check_job(config, output, int(seed), float(learning_rate), args.memory_share)
         if planned:

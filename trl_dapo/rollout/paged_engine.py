@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..models import base_model
 from .architectures import architecture_for
 from .paged_attention import (
     num_splits,
@@ -44,7 +45,7 @@ from .paged_attention import (
 )
 from .scheduler import Prefix, Scheduler
 from .token_sampling import TokenSampling, pick_tokens, sampling_noise, stop_table
-from .weights import WeightSnapshot, base_model, gather_nothing
+from .weights import WeightSnapshot, gather_nothing
 
 logger = logging.getLogger(__name__)
 
@@ -234,13 +235,15 @@ class PagedRolloutEngine:
         view, whose base the compiled code would guard on (and recompile for), and a matrix product is not fused."""
         return F.linear(attention.reshape(-1, attention.size(-2) * attention.size(-1)), layer["o_weight"])
 
-    def _rope_tables(self, length: int) -> None:
-        """cos/sin tables for positions below `length`, at least the model's own maximum (built once)."""
+    def _rope_tables(self, length: int) -> bool:
+        """cos/sin tables for positions below `length`, at least the model's own maximum (built once); whether they
+        were rebuilt (graphs captured over the previous ones are then stale)."""
         if self._rope_length >= length:
-            return
+            return False
         length = max(length, getattr(self.snapshot.config, "max_position_embeddings", 0) or 0)
         cos, sin = self.architecture.rotary_tables(length, self.device)
         self.cos, self.sin, self._rope_length = cos.to(self.dtype), sin.to(self.dtype), length
+        return True
 
     def sample_tokens(
         self, hidden: torch.Tensor, noise: torch.Tensor | None, settings: TokenSampling, generated: torch.Tensor
@@ -257,7 +260,6 @@ class PagedRolloutEngine:
             raise ValueError("generate needs at least one prompt, and no prompt may be empty.")
         if settings.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={settings.max_new_tokens} must be at least 1.")
-        self._rope_tables(max(map(len, prompt_ids)) + settings.max_new_tokens)
         return _Generation(self, prompt_ids, settings).run()
 
     @torch.no_grad()
@@ -296,6 +298,14 @@ class PagedRolloutEngine:
         if self.max_cache_tokens is not None:
             wanted = min(wanted, self.max_cache_tokens)
         return self._budget_pages(math.ceil(wanted / self.page_size), len(prompt_ids), max_new_tokens)
+
+    def stream_pages(self, longest_prompt: int, rows: int, max_new_tokens: int) -> int:
+        """KV pages for a stream: its `max_rows` slots at once with prompts `longest_prompt` tokens long, at most what
+        the budget and `max_cache_tokens` allow for a call with `rows` output rows."""
+        at_once = self.max_rows * (longest_prompt + max_new_tokens + 2 * self.page_size)
+        if self.max_cache_tokens is not None:
+            at_once = min(at_once, self.max_cache_tokens)
+        return self._budget_pages(math.ceil(at_once / self.page_size), rows, max_new_tokens)
 
     def _budget_pages(self, pages: int, rows: int, max_new_tokens: int) -> int:
         """`pages`, at most what the memory budget leaves for the KV cache of a call with `rows` output rows."""
@@ -381,6 +391,7 @@ class _Generation:
         KV pool (default: sized for `prompt_ids`)."""
         self.engine, self.settings = engine, settings
         self.rows, self.max_new = capacity or len(prompt_ids), settings.max_new_tokens
+        engine._rope_tables(max(map(len, prompt_ids)) + self.max_new)
         device, page_size = engine.device, engine.page_size
         if num_pages is None:
             num_pages = engine.cache_pages(prompt_ids, self.max_new)
@@ -419,7 +430,7 @@ class _Generation:
         timer = _DeviceTimer(engine.device)
         progress = _progress(engine.show_progress, self.rows)
         last_report = 0
-        while self._step(timer):
+        while self.step(timer):
             if progress is not None:
                 generated = int(scheduler.generated.sum())
                 progress.update(generated - last_report)
@@ -451,7 +462,7 @@ class _Generation:
         mask = columns < torch.from_numpy(lengths).to(self.engine.device).unsqueeze(1)
         return completions, self.out_logprobs[index] * mask
 
-    def _step(self, timer: _DeviceTimer) -> bool:
+    def step(self, timer: _DeviceTimer) -> bool:
         """Admit waiting rows, decode up to `sync_every` steps and synchronise; False once no row is left."""
         engine, scheduler, stats = self.engine, self.scheduler, self.stats
         with timer.section("prefill"):
@@ -550,6 +561,58 @@ class _Generation:
         stopped = engine.stop_table.index_select(0, token)
         slots.active[first : first + count] = ~(stopped | (generated + 1 >= self.max_new))
         scheduler.generated[rows] += 1
+
+    # ------------------------------------------------------------------------------------- rows added mid-call
+
+    @property
+    def done(self) -> bool:
+        """No row waits or decodes."""
+        return self.scheduler.done
+
+    def unfinished_rows(self) -> set[int]:
+        """Rows still waiting or decoding."""
+        return set(self.scheduler.running) | set(self.scheduler.waiting)
+
+    def add_rows(self, prompt_ids: list[list[int]], resumed: list[tuple[list[int], torch.Tensor]] | None) -> list[int]:
+        """Queue rows of new prompts while the call runs (a stream's `add`), growing what they outgrow: the rotary
+        tables, the output buffers, the slot table's width (captured graphs read those, so they are captured again)."""
+        if self.engine._rope_tables(max(map(len, prompt_ids)) + self.max_new):
+            self.graphs.clear()
+        rows = self.scheduler.add_rows(prompt_ids)
+        added = len(self.scheduler.prompts)
+        if added > self.rows:
+            self._grow_outputs(max(added, 2 * self.rows))
+        self.resume(rows, resumed)
+        width = 16 * math.ceil(self.scheduler.max_pages / 16)
+        if width > self.slots.page_table.size(1):  # a longer prompt than any before: widen the slot table
+            table = self.slots.page_table
+            self.slots.page_table = torch.zeros(table.size(0), width, dtype=table.dtype, device=table.device)
+            self.slots.page_table[:, : table.size(1)] = table
+            self.graphs.clear()
+        self.stats.rows = added
+        return rows
+
+    def resume(self, rows: list[int], resumed: list[tuple[list[int], torch.Tensor]] | None) -> None:
+        """Rows that continue after tokens sampled earlier: those tokens and their logprobs in the outputs."""
+        if resumed is None:
+            return
+        if len(resumed) != len(rows):
+            raise ValueError(f"resumed: {len(resumed)} entries for {len(rows)} rows.")
+        for row, (tokens, logprobs) in zip(rows, resumed, strict=True):
+            if tokens:
+                self.scheduler.resume(row, list(tokens))
+                self.out_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+                self.out_logprobs[row, : len(tokens)] = logprobs[: len(tokens)].to(self.out_logprobs)
+
+    def _grow_outputs(self, rows: int) -> None:
+        """Reallocate the output buffers for `rows` rows (plus the row idle slots write to)."""
+        for name in ("out_tokens", "out_logprobs"):
+            old = getattr(self, name)
+            new = torch.zeros(rows + 1, self.max_new, dtype=old.dtype, device=old.device)
+            new[: self.rows] = old[: self.rows]
+            setattr(self, name, new)
+        self.rows, self.dump_index = rows, rows * self.max_new
+        self.graphs.clear()  # captured graphs write to the previous buffers
 
     # ---------------------------------------------------------------------------------------------- prefill
 
@@ -680,18 +743,12 @@ class RolloutStream:
         settings: TokenSampling,
         resumed: list[tuple[list[int], torch.Tensor]] | None = None,
     ) -> None:
-        self.engine = engine
-        longest = max(map(len, prompt_ids))
-        engine._rope_tables(longest + settings.max_new_tokens)
         rows = max(len(prompt_ids), engine.max_rows)  # output rows allocated (grown by `add`); all slots usable
-        at_once = engine.max_rows * (longest + settings.max_new_tokens + 2 * engine.page_size)
-        if engine.max_cache_tokens is not None:
-            at_once = min(at_once, engine.max_cache_tokens)
-        pages = engine._budget_pages(math.ceil(at_once / engine.page_size), rows, settings.max_new_tokens)
+        pages = engine.stream_pages(max(map(len, prompt_ids)), rows, settings.max_new_tokens)
         self._generation = _Generation(engine, prompt_ids, settings, capacity=rows, num_pages=max(pages, 0))
         self._timer = _DeviceTimer(engine.device)
         self._open = set(range(len(prompt_ids)))  # rows added and not yet reported as ended
-        self._resume(list(range(len(prompt_ids))), resumed)
+        self._generation.resume(list(range(len(prompt_ids))), resumed)
 
     @property
     def stats(self) -> RolloutStats:
@@ -700,12 +757,12 @@ class RolloutStream:
     @property
     def rows(self) -> int:
         """Rows added so far."""
-        return len(self._generation.scheduler.prompts)
+        return self._generation.stats.rows
 
     @property
     def idle(self) -> bool:
         """No row waits or decodes."""
-        return self._generation.scheduler.done
+        return self._generation.done
 
     def add(
         self, prompt_ids: list[list[int]], resumed: list[tuple[list[int], torch.Tensor]] | None = None
@@ -713,61 +770,19 @@ class RolloutStream:
         """Queue rows (a prompt repeated for each of its samples shares one prefill); returns their row indices.
         `resumed`: per row, tokens already sampled (by an earlier policy) and their logprobs, or empty ones: such a
         row continues after them, its KV recomputed under the current weights, its old logprobs kept as they were."""
-        generation, engine = self._generation, self.engine
         if not prompt_ids or any(len(prompt) == 0 for prompt in prompt_ids):
             raise ValueError("add needs at least one prompt, and no prompt may be empty.")
-        length = max(map(len, prompt_ids)) + generation.max_new
-        if length > engine._rope_length:
-            engine._rope_tables(length)
-            generation.graphs.clear()  # captured graphs read the previous rotary tables
-        rows = generation.scheduler.add_rows(prompt_ids)
-        if self.rows > generation.rows:
-            self._grow_outputs(max(self.rows, 2 * generation.rows))
-        self._resume(rows, resumed)
-        width = 16 * math.ceil(generation.scheduler.max_pages / 16)
-        if width > generation.slots.page_table.size(1):  # a longer prompt than any before: widen the slot table
-            table = generation.slots.page_table
-            generation.slots.page_table = torch.zeros(table.size(0), width, dtype=table.dtype, device=table.device)
-            generation.slots.page_table[:, : table.size(1)] = table
-            generation.graphs.clear()  # captured graphs read the previous table
-        generation.stats.rows = self.rows
+        rows = self._generation.add_rows(prompt_ids, resumed)
         self._open.update(rows)
         return rows
-
-    def _resume(self, rows: list[int], resumed: list[tuple[list[int], torch.Tensor]] | None) -> None:
-        """Rows that continue after tokens sampled earlier: those tokens and their logprobs in the outputs."""
-        if resumed is None:
-            return
-        if len(resumed) != len(rows):
-            raise ValueError(f"resumed: {len(resumed)} entries for {len(rows)} rows.")
-        generation = self._generation
-        for row, (tokens, logprobs) in zip(rows, resumed, strict=True):
-            if tokens:
-                generation.scheduler.resume(row, list(tokens))
-                generation.out_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
-                generation.out_logprobs[row, : len(tokens)] = logprobs[: len(tokens)].to(generation.out_logprobs)
-
-    def _grow_outputs(self, rows: int) -> None:
-        """Reallocate the output buffers for `rows` rows (plus the row idle slots write to)."""
-        generation = self._generation
-        for name in ("out_tokens", "out_logprobs"):
-            old = getattr(generation, name)
-            new = torch.zeros(rows + 1, generation.max_new, dtype=old.dtype, device=old.device)
-            new[: generation.rows] = old[: generation.rows]
-            setattr(generation, name, new)
-        generation.rows, generation.dump_index = rows, rows * generation.max_new
-        generation.graphs.clear()  # captured graphs write to the previous buffers
 
     @torch.no_grad()
     def step(self) -> list[int]:
         """Admit waiting rows, decode up to `sync_every` steps, synchronise; the rows that ended since the last step
         (none once idle)."""
-        generation = self._generation
-        if not generation.scheduler.done:
-            generation._step(self._timer)
-        scheduler = generation.scheduler
-        pending = set(scheduler.running) | set(scheduler.waiting)
-        ended = sorted(self._open - pending)
+        if not self._generation.done:
+            self._generation.step(self._timer)
+        ended = sorted(self._open - self._generation.unfinished_rows())
         self._open -= set(ended)
         return ended
 

@@ -19,17 +19,14 @@ from .weights import gather_nothing
 Gather = Callable[[torch.nn.Module], AbstractContextManager]
 
 
-def parameter_gather(trainer) -> Gather:
-    """How the trainer's parameters are made readable: ZeRO-3 gathers them, FSDP2 unshards them, else nothing."""
-    if is_zero3(trainer):
+def parameter_gather(zero3: bool, fsdp: bool, model: torch.nn.Module) -> Gather:
+    """How the training parameters are made readable: ZeRO-3 gathers them, FSDP2 unshards them, else nothing.
+    `model`: the training model without its DDP or DeepSpeed wrapper."""
+    if zero3:
         return gather_zero3
-    if trainer.is_fsdp_enabled:
-        return FullyShardGather(trainer.accelerator.unwrap_model(trainer.model))
+    if fsdp:
+        return FullyShardGather(model)
     return gather_nothing
-
-
-def is_zero3(trainer) -> bool:
-    return trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
 
 
 def gather_zero3(module: torch.nn.Module) -> AbstractContextManager:

@@ -1,14 +1,17 @@
-"""`DynamicSamplingBuffer`: gathers informative prompt groups over candidate rounds until a generation batch is full.
+"""`DynamicSamplingBuffer`: gathers informative prompt groups over candidate rounds until a generation batch is full,
+and keeps the surplus groups (and the running sampling efficiency) for later batches, in rounds and in stream mode.
 
-It works on global rollout batches (every rank holds the same view), so every rank takes the same decisions and the
-accepted batch does not depend on how many ranks generated it. Groups are never split: the buffer moves whole blocks
-of `num_generations` consecutive rows.
+It works on global rollout batches: its surplus and its decisions are the same on every rank, so the accepted batch
+does not depend on how many ranks generated it (stream mode's groups left in flight are each rank's own, and live in
+the stream's state, `stream_state.py`). Groups are never split: the buffer moves whole blocks of `num_generations`
+consecutive rows.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +37,21 @@ EFFICIENCY_DECAY = 0.5
 
 class DynamicSamplingLimitError(RuntimeError):
     """`max_num_gen_batches` candidate rounds did not yield enough informative groups."""
+
+
+@dataclass
+class FoundGroups:
+    """The informative groups gathered for one generation batch so far, in the order found, with the optimizer step
+    each was generated at (its birth)."""
+
+    parts: list[RolloutBatch] = field(default_factory=list)
+    births: list[torch.Tensor] = field(default_factory=list)
+    groups: int = 0
+
+    def add(self, batch: RolloutBatch, births: torch.Tensor) -> None:
+        self.parts.append(batch)
+        self.births.append(births)
+        self.groups += int(births.numel())
 
 
 def plan_round_groups(
@@ -76,9 +94,6 @@ class DynamicSamplingBuffer:
         self.oversample = oversample
         self.max_oversample = max_oversample
         self.surplus: RolloutBatch | None = None
-        # stream mode, in_flight="carry": this rank's groups left in flight, resumed by the next stream (not saved
-        # with checkpoints: a resumed run generates them again)
-        self.carried: list = []
         self.surplus_birth = torch.zeros(0, dtype=torch.long)
         self.qualified_weight, self.generated_weight = 0.0, 0.0
 
@@ -101,7 +116,7 @@ class DynamicSamplingBuffer:
     def _group_rows(self, groups: torch.Tensor) -> torch.Tensor:
         return (groups.unsqueeze(1) * self.num_generations + torch.arange(self.num_generations)).flatten()
 
-    def _tokens(self, batch: RolloutBatch, groups: torch.Tensor | None = None) -> int:
+    def tokens(self, batch: RolloutBatch, groups: torch.Tensor | None = None) -> int:
         """Completion tokens of `groups` of `batch` (all of them when None)."""
         mask = batch["completion_mask"]
         if groups is not None:
@@ -131,144 +146,90 @@ class DynamicSamplingBuffer:
         the caller then skips the optimizer step.
         """
         stats = SamplingStats()
-        parts, births, have = self._take_surplus(stats, step)
+        found = self.take_surplus(stats, step)
         uninformative_run, candidates = 0, None
-        while have < target_groups:
+        while found.groups < target_groups:
             if self.max_num_gen_batches and stats.gen_batches >= self.max_num_gen_batches:
                 break
             pass_size = dataset_prompts() if dataset_prompts is not None else None
             if not self.max_num_gen_batches and pass_size is not None and uninformative_run >= pass_size:
-                raise DynamicSamplingLimitError(self._full_pass_message(stats, pass_size))
-            groups = self.plan_round(target_groups - have, target_groups, stats.gen_batches, group_multiple)
+                raise DynamicSamplingLimitError(full_pass_message(stats, pass_size))
+            groups = self.plan_round(target_groups - found.groups, target_groups, stats.gen_batches, group_multiple)
             if report is not None and stats.gen_batches:
-                report(stats.gen_batches, groups, have, target_groups)
+                report(stats.gen_batches, groups, found.groups, target_groups)
             candidates, metric = generate_round(groups, stats.gen_batches)
             kept = self._record_round(stats, metric.cpu())
             keep = kept.nonzero().flatten()
-            stats.generated_tokens += self._tokens(candidates)
-            stats.filtered_tokens += self._tokens(candidates, (~kept).nonzero().flatten())
+            stats.generated_tokens += self.tokens(candidates)
+            stats.filtered_tokens += self.tokens(candidates, (~kept).nonzero().flatten())
             uninformative_run = 0 if keep.numel() else uninformative_run + num_rows(candidates) // self.num_generations
             if keep.numel():
-                parts.append(self._select_groups(candidates, keep))
-                births.append(torch.full((keep.numel(),), step, dtype=torch.long))
-                have += keep.numel()
-        return self._cut(stats, parts, births, have, target_groups, group_multiple, step, candidates)
+                found.add(self._select_groups(candidates, keep), torch.full((keep.numel(),), step, dtype=torch.long))
+        spent = (
+            f"Dynamic sampling ran {stats.gen_batches} candidate generation rounds (max_num_gen_batches="
+            f"{self.max_num_gen_batches})"
+        )
+        return self.accept(stats, found, target_groups, group_multiple, step, candidates, spent)
 
-    def fill_stream(
-        self,
-        target_groups: int,
-        stream: Callable[[int], tuple[RolloutBatch, SamplingStats]],
-        step: int,
-        group_multiple: int = 1,
-    ) -> tuple[RolloutBatch, SamplingStats]:
-        """`fill` for streaming dynamic sampling: surplus first, then one stream asked for the groups still missing,
-        which returns its kept groups (global, in acceptance order; possibly none) and its counts."""
-        stats = SamplingStats()
-        parts, births, have = self._take_surplus(stats, step)
-        kept = None
-        if have < target_groups:
-            kept, counts = stream(target_groups - have)
-            stats += counts
-            stats.gen_batches = 1
-            self.qualified_weight = EFFICIENCY_DECAY * self.qualified_weight + counts.qualified_groups
-            self.generated_weight = EFFICIENCY_DECAY * self.generated_weight + counts.generated_groups
-            if num_rows(kept):
-                groups = num_rows(kept) // self.num_generations
-                parts.append(kept)
-                births.append(torch.full((groups,), step, dtype=torch.long))
-                have += groups
-        return self._cut(stats, parts, births, have, target_groups, group_multiple, step, kept, streamed=True)
-
-    def _take_surplus(self, stats: SamplingStats, step: int) -> tuple[list[RolloutBatch], list[torch.Tensor], int]:
-        """The surplus groups young enough for this batch (the others are counted as discarded); empties it."""
-        parts: list[RolloutBatch] = []
-        births: list[torch.Tensor] = []
+    def take_surplus(self, stats: SamplingStats, step: int) -> FoundGroups:
+        """The surplus groups young enough for this batch, the first groups found (the others are counted as
+        discarded); empties the surplus."""
+        found = FoundGroups()
         if self.surplus is not None and self.num_surplus_groups:
             fresh = (step - self.surplus_birth) <= self.max_surplus_age
             stats.discarded_qualified_groups += int((~fresh).sum())
-            stats.untrained_tokens += self._tokens(self.surplus, (~fresh).nonzero().flatten())
+            stats.untrained_tokens += self.tokens(self.surplus, (~fresh).nonzero().flatten())
             kept = fresh.nonzero().flatten()
             if kept.numel():
-                parts.append(self._select_groups(self.surplus, kept))
-                births.append(self.surplus_birth[kept])
+                found.add(self._select_groups(self.surplus, kept), self.surplus_birth[kept])
             stats.surplus_used = int(kept.numel())
         self.surplus, self.surplus_birth = None, torch.zeros(0, dtype=torch.long)
-        return parts, births, stats.surplus_used
+        return found
 
-    def _cut(
+    def accept(
         self,
         stats: SamplingStats,
-        parts: list[RolloutBatch],
-        births: list[torch.Tensor],
-        have: int,
+        found: FoundGroups,
         target_groups: int,
         group_multiple: int,
         step: int,
         candidates: RolloutBatch | None,
-        streamed: bool = False,
+        spent: str,
     ) -> tuple[RolloutBatch, SamplingStats]:
         """The first `target_groups` groups found (fewer, a multiple of `group_multiple`, at the limit); the rest
-        become surplus, or are discarded."""
+        become surplus, or are discarded. `candidates`: the last batch generated, whose keys an empty batch takes;
+        `spent`: what the search spent, for the error of `on_limit="raise"`."""
+        have = found.groups
         take = min(have, target_groups)
         if take < target_groups:
             stats.partial = True
             take -= take % group_multiple
             if self.on_limit == "raise":
-                raise DynamicSamplingLimitError(self._limit_message(stats, have, target_groups, streamed))
-        accepted = concat_rollouts(parts, self.pad_token_id) if parts else candidates
-        birth = torch.cat(births) if births else torch.zeros(0, dtype=torch.long)
+                raise DynamicSamplingLimitError(limit_message(spent, stats, have, target_groups))
+        accepted = concat_rollouts(found.parts, self.pad_token_id) if found.parts else candidates
+        birth = torch.cat(found.births) if found.births else torch.zeros(0, dtype=torch.long)
         rest = torch.arange(take, have)
         if rest.numel() and (self.keep_surplus or stats.partial):
             self.surplus, self.surplus_birth = self._select_groups(accepted, rest), birth[rest]
-            stats.surplus_tokens += self._tokens(accepted, rest[birth[rest] == step])
+            stats.surplus_tokens += self.tokens(accepted, rest[birth[rest] == step])
         else:
             stats.discarded_qualified_groups += int(rest.numel())
-            stats.untrained_tokens += self._tokens(accepted, rest)
+            stats.untrained_tokens += self.tokens(accepted, rest)
         stats.surplus_groups = self.num_surplus_groups
         return self._select_groups(accepted, torch.arange(take)), stats
+
+    def record_efficiency(self, qualified_groups: int, generated_groups: int) -> None:
+        """Fold one round's (or one stream's) group counts into the running efficiency."""
+        self.qualified_weight = EFFICIENCY_DECAY * self.qualified_weight + qualified_groups
+        self.generated_weight = EFFICIENCY_DECAY * self.generated_weight + generated_groups
 
     def _record_round(self, stats: SamplingStats, metric: torch.Tensor) -> torch.Tensor:
         """Count one round in the stats and the running efficiency; return which of its groups are informative."""
         qualified_before, generated_before = stats.qualified_groups, stats.generated_groups
         kept = stats.count_groups(metric, self.num_generations, self.keep_groups)
         stats.gen_batches += 1
-        self.qualified_weight = EFFICIENCY_DECAY * self.qualified_weight + stats.qualified_groups - qualified_before
-        self.generated_weight = EFFICIENCY_DECAY * self.generated_weight + stats.generated_groups - generated_before
+        self.record_efficiency(stats.qualified_groups - qualified_before, stats.generated_groups - generated_before)
         return kept
-
-    def _found(self, stats: SamplingStats) -> str:
-        return (
-            f"{stats.qualified_groups} of {stats.generated_groups} generated groups had varied rewards; filtered "
-            f"all-correct: {stats.filtered_all_correct}, all-wrong: {stats.filtered_all_wrong}"
-        )
-
-    def _limit_message(self, stats: SamplingStats, have: int, target: int, streamed: bool = False) -> str:
-        if streamed:
-            spent = (
-                f"Streaming dynamic sampling admitted its budget of groups (max_num_gen_batches="
-                f"{self.max_num_gen_batches} x dynamic_sampling_max_oversample={self.max_oversample} generation "
-                "batches)"
-            )
-        else:
-            spent = (
-                f"Dynamic sampling ran {stats.gen_batches} candidate generation rounds (max_num_gen_batches="
-                f"{self.max_num_gen_batches})"
-            )
-        return (
-            f"{spent} and found {have} of the {target} informative groups this batch needs "
-            f"({self._found(stats)}). Set dynamic_sampling_on_limit='train_on_partial' to train on the groups found "
-            "(and skip the step when there are none), raise max_num_gen_batches, or use prompts whose difficulty "
-            "suits the model."
-        )
-
-    def _full_pass_message(self, stats: SamplingStats, dataset_prompts: int) -> str:
-        return (
-            f"Dynamic sampling (max_num_gen_batches=0, unlimited) generated at least {dataset_prompts} groups in a "
-            f"row, as many as train_dataset has prompts, without one informative group ({self._found(stats)}): the "
-            "rewards do not vary within any group (a constant reward, or a policy that always solves or always fails "
-            "every prompt). Check the reward functions, use prompts whose difficulty suits the model, or bound the "
-            "rounds with max_num_gen_batches and dynamic_sampling_on_limit='train_on_partial'."
-        )
 
     def state_dict(self) -> dict:
         """Checkpoint state on the CPU, loadable with `torch.load(weights_only=True)` (tensors, numbers, dicts)."""
@@ -288,4 +249,40 @@ class DynamicSamplingBuffer:
         self.generated_weight = state["generated_weight"]
 
 
-__all__ = ["DynamicSamplingBuffer", "DynamicSamplingLimitError", "plan_round_groups"]
+def found_message(stats: SamplingStats) -> str:
+    return (
+        f"{stats.qualified_groups} of {stats.generated_groups} generated groups had varied rewards; filtered "
+        f"all-correct: {stats.filtered_all_correct}, all-wrong: {stats.filtered_all_wrong}"
+    )
+
+
+def limit_message(spent: str, stats: SamplingStats, have: int, target: int) -> str:
+    """The error of `dynamic_sampling_on_limit="raise"`: `spent` says what the search spent (rounds, or a stream's
+    admissions)."""
+    return (
+        f"{spent} and found {have} of the {target} informative groups this batch needs "
+        f"({found_message(stats)}). Set dynamic_sampling_on_limit='train_on_partial' to train on the groups found "
+        "(and skip the step when there are none), raise max_num_gen_batches, or use prompts whose difficulty "
+        "suits the model."
+    )
+
+
+def full_pass_message(stats: SamplingStats, dataset_prompts: int) -> str:
+    """The error of unlimited rounds (or streams) after a pass over the training set without an informative group."""
+    return (
+        f"Dynamic sampling (max_num_gen_batches=0, unlimited) generated at least {dataset_prompts} groups in a "
+        f"row, as many as train_dataset has prompts, without one informative group ({found_message(stats)}): the "
+        "rewards do not vary within any group (a constant reward, or a policy that always solves or always fails "
+        "every prompt). Check the reward functions, use prompts whose difficulty suits the model, or bound the "
+        "rounds with max_num_gen_batches and dynamic_sampling_on_limit='train_on_partial'."
+    )
+
+
+__all__ = [
+    "DynamicSamplingBuffer",
+    "DynamicSamplingLimitError",
+    "FoundGroups",
+    "full_pass_message",
+    "limit_message",
+    "plan_round_groups",
+]

@@ -160,131 +160,52 @@ class GroupStream:
         `fill_rows`, as many as the slots hold. `carried`:
         this rank's groups left in flight by the previous batch (policy "carry"), resumed first."""
         cap = math.inf if max_in_flight is None else max_in_flight
-        outcome = StreamOutcome()
-        G = self.num_generations
-        pending: dict[
-            int, dict
-        ] = {}  # group id -> its rows, prompt ids, samples ended and the stream rows of the rest
-        row_group: dict[int, tuple[int, int]] = {}  # stream row -> (group id, sample index)
-        stream = None
-        finished: list[StreamedGroup] = []
-        failures: list[Exception] = []  # this rank's scoring error: every rank stops at the next agreement
-        resumed_tokens = 0  # tokens of carried rows sampled before this call (the stream counts them again)
-
-        def enter(groups: list[CarriedGroup]) -> None:
-            """Queue groups: rows still to decode (resumed after their tokens so far), samples already ended kept."""
-            nonlocal stream, resumed_tokens
-            prompts, resumed, owners = [], [], []
-            for group in groups:
-                entry = {"group": group, "stream_rows": {}, "ended": set(), "left": 0}
-                pending[outcome.admitted_groups] = entry
-                for sample in range(G):
-                    if not group.ended[sample]:
-                        prompts.append(group.prompt_ids)
-                        resumed.append((group.tokens[sample], group.logprobs[sample]))
-                        owners.append((outcome.admitted_groups, sample))
-                        entry["left"] += 1
-                        resumed_tokens += len(group.tokens[sample])
-                outcome.admitted_groups += 1
-            if stream is None:
-                stream = self.start(prompts, resumed)
-                rows = list(range(len(prompts)))
-            else:
-                rows = stream.add(prompts, resumed)
-            for row, (group, sample) in zip(rows, owners, strict=True):
-                pending[group]["stream_rows"][sample] = row
-                row_group[row] = (group, sample)
-
-        def admit(count: int) -> None:
-            if count > 0:
-                drawn = [self.next_prompt() for _ in range(count)]
-                enter([CarriedGroup.fresh(row, ids, G) for row, ids in drawn])
-
-        def collect(ended: list[int]) -> None:
-            if failures:
-                return
-            done = []
-            for row in ended:
-                group, sample = row_group.pop(row)
-                pending[group]["ended"].add(sample)
-                pending[group]["left"] -= 1
-                if pending[group]["left"] == 0:
-                    done.append(group)
-            for group in done:
-                entry = pending.pop(group)
-                carried_group = _merged(entry, stream)
-                rows, prompt_ids, tokens = carried_group.rows, carried_group.prompt_ids, carried_group.tokens
-                try:
-                    rewards, metric = self.score(rows, prompt_ids, tokens)
-                except Exception as error:
-                    error.add_note(
-                        f"stream mode: raised on rank {self.rank} scoring the group of prompt {_shown(rows[0])}"
-                    )
-                    failures.append(error)
-                    return
-                metric = metric.detach().float().cpu()
-                earlier = entry["group"].earlier_tokens
-                if bool(outcome.stats.count_groups(metric, G, self.keep_groups)[0]):
-                    finished.append(
-                        StreamedGroup(
-                            rows, prompt_ids, tokens, carried_group.logprobs, rewards, len(finished), earlier
-                        )
-                    )
-                else:
-                    outcome.stats.filtered_tokens += sum(len(t) for t in tokens) - earlier
-
-        def free_groups(budget_left: float) -> int:
-            """Whole groups that fit the rank's free slots (`fill_rows` minus its rows in flight), within its share
-            of the admission budget."""
-            flying_rows = sum(entry["left"] for entry in pending.values())
-            return max(0, min((self.fill_rows - flying_rows) // G, math.floor(budget_left / self.world)))
-
+        run = _Run(self)
         if carried:
-            enter(list(carried))
-        first = self.allowance(missing, 0, len(pending), self.efficiency(0, 0), budget, cap - len(pending))
-        first = max(first, min(free_groups(budget), math.floor(budget / self.world) - len(pending)))
-        admit(first if stream is not None else max(first, 1))
+            run.enter(list(carried))
+        first = self.allowance(missing, 0, len(run.pending), self.efficiency(0, 0), budget, cap - len(run.pending))
+        first = max(first, min(run.free_groups(budget), math.floor(budget / self.world) - len(run.pending)))
+        run.admit(first if run.stream is not None else max(first, 1))
         steps = 0
         while True:
-            collect(stream.step())
+            run.collect(run.stream.step())
             steps += 1
-            if steps % self.sync_every:
-                continue
-            agreed = self.agree(
-                [len(finished), len(pending), outcome.stats.generated_groups, outcome.stats.qualified_groups,
-                 outcome.admitted_groups, float(stream.idle), *self._failure_flags(failures)]
-            )  # fmt: skip
-            kept, flying, scored, qualified, admitted, idle = agreed[:6]
-            self._stop_if_any_failed(agreed[6:], failures, stream)
-            if kept >= missing:
-                outcome.full = True
+            if steps % self.sync_every == 0 and self._agree_and_admit(run, missing, budget, cap):
                 break
-            efficiency = self.efficiency(qualified, scored)
-            grant = self.allowance(missing, kept, flying, efficiency, budget - admitted, cap - flying)
-            grant = max(grant, free_groups(budget - admitted))
-            if grant:
-                admit(grant)
-            elif idle == self.world and admitted >= budget:
-                break  # the budget is spent and every admitted group is scored: a partial batch
-            elif idle == self.world and not flying:
-                admit(1)  # nothing in flight and the estimate says enough: the estimate was wrong, keep going
+        self._stop(run)
+        return run.close()
+
+    def _agree_and_admit(self, run: _Run, missing: int, budget: int, cap: float) -> bool:
+        """One agreement of the ranks on their counts: whether the stream is done (the batch is full, or the budget
+        is spent and every admitted group scored), else the groups this rank admits now."""
+        agreed = self.agree(run.counts() + self._failure_flags(run.failures))
+        kept, flying, scored, qualified, admitted, idle = agreed[:6]
+        self._stop_if_any_failed(agreed[6:], run.failures, run.stream)
+        if kept >= missing:
+            run.outcome.full = True
+            return True
+        efficiency = self.efficiency(qualified, scored)
+        grant = self.allowance(missing, kept, flying, efficiency, budget - admitted, cap - flying)
+        grant = max(grant, run.free_groups(budget - admitted))
+        if grant:
+            run.admit(grant)
+        elif idle == self.world and admitted >= budget:
+            return True  # the budget is spent and every admitted group is scored: a partial batch
+        elif idle == self.world and not flying:
+            run.admit(1)  # nothing in flight and the estimate says enough: the estimate was wrong, keep going
+        return False
+
+    def _stop(self, run: _Run) -> None:
+        """The rows in flight once the stream is done, as `in_flight` says: decoded to their end and scored
+        ("finish", every rank agreeing once more on failures), left as they are ("carry"), or dropped."""
         if self.in_flight == "finish":
-            while not stream.idle and not failures:
-                collect(stream.step())
-            self._stop_if_any_failed(self.agree(self._failure_flags(failures)), failures, stream)
+            while not run.stream.idle and not run.failures:
+                run.collect(run.stream.step())
+            self._stop_if_any_failed(self.agree(self._failure_flags(run.failures)), run.failures, run.stream)
         elif self.in_flight == "carry":
-            outcome.carried = [_merged(entry, stream) for entry in pending.values()]
+            run.outcome.carried = [pending.merged(run.stream) for pending in run.pending.values()]
         else:
-            outcome.dropped_groups = len(pending)
-        engine = stream.close()
-        outcome.stats.generated_tokens = engine.generated_tokens - resumed_tokens
-        outcome.carried_tokens = sum(group.earlier_tokens for group in outcome.carried) - sum(
-            entry["group"].earlier_tokens for entry in pending.values()
-        )
-        outcome.stats.busy_slot_steps, outcome.stats.pool_slot_steps = engine.busy_slot_steps, engine.pool_slot_steps
-        outcome.stats.prefill_tokens = engine.prefill_tokens
-        outcome.kept = finished
-        return outcome
+            run.outcome.dropped_groups = len(run.pending)
 
     def _failure_flags(self, failures: list[Exception]) -> list[float]:
         """One flag per rank, set at this rank's place if its scoring failed: summed over ranks, who failed."""
@@ -311,19 +232,135 @@ def _shown(row: dict[str, Any], limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _merged(entry: dict, stream) -> CarriedGroup:
-    """A group's samples as they stand: the ones it entered with, updated from the stream's rows (tokens so far,
-    their logprobs, whether each ended); `earlier_tokens` is then every token it holds."""
-    group = entry["group"]
-    samples = sorted(entry["stream_rows"])
-    new_tokens, new_logprobs = stream.outputs([entry["stream_rows"][i] for i in samples])
-    new_logprobs = new_logprobs.cpu()
-    logprobs = torch.zeros(len(group.tokens), new_logprobs.size(1))
-    logprobs[:, : group.logprobs.size(1)] = group.logprobs
-    tokens, ended = list(group.tokens), list(group.ended)
-    for index, sample in enumerate(samples):
-        tokens[sample], logprobs[sample] = new_tokens[index], new_logprobs[index]
-        ended[sample] = sample in entry["ended"]
-    return dataclasses.replace(
-        group, tokens=tokens, logprobs=logprobs, ended=ended, earlier_tokens=sum(map(len, tokens))
-    )
+@dataclass
+class _PendingGroup:
+    """A group admitted to this stream and not yet scored: what it entered with (`group`), the stream row of each
+    sample it decodes, the samples that ended since, and how many still decode."""
+
+    group: CarriedGroup
+    stream_rows: dict[int, int] = field(default_factory=dict)  # sample -> stream row
+    ended: set[int] = field(default_factory=set)
+    left: int = 0
+
+    def merged(self, stream) -> CarriedGroup:
+        """The group's samples as they stand: the ones it entered with, updated from the stream's rows (tokens so
+        far, their logprobs, whether each ended); `earlier_tokens` is then every token it holds."""
+        group = self.group
+        samples = sorted(self.stream_rows)
+        new_tokens, new_logprobs = stream.outputs([self.stream_rows[i] for i in samples])
+        new_logprobs = new_logprobs.cpu()
+        logprobs = torch.zeros(len(group.tokens), new_logprobs.size(1))
+        logprobs[:, : group.logprobs.size(1)] = group.logprobs
+        tokens, ended = list(group.tokens), list(group.ended)
+        for index, sample in enumerate(samples):
+            tokens[sample], logprobs[sample] = new_tokens[index], new_logprobs[index]
+            ended[sample] = sample in self.ended
+        return dataclasses.replace(
+            group, tokens=tokens, logprobs=logprobs, ended=ended, earlier_tokens=sum(map(len, tokens))
+        )
+
+
+class _Run:
+    """One `GroupStream.run` on this rank: the engine's stream it drives (started by the first groups it enters),
+    the groups in flight and kept, and this rank's scoring error (every rank stops at the next agreement)."""
+
+    def __init__(self, driver: GroupStream) -> None:
+        self.driver, self.outcome = driver, StreamOutcome()
+        self.stream = None
+        self.pending: dict[int, _PendingGroup] = {}  # by admission index
+        self.row_group: dict[int, tuple[int, int]] = {}  # stream row -> (admission index, sample)
+        self.kept: list[StreamedGroup] = []
+        self.failures: list[Exception] = []
+        self.resumed_tokens = 0  # tokens of carried rows sampled before this call (the stream counts them again)
+
+    def counts(self) -> list[float]:
+        """What the ranks agree on: kept and in-flight groups, groups scored and qualified, admitted, idle."""
+        stats = self.outcome.stats
+        return [len(self.kept), len(self.pending), stats.generated_groups, stats.qualified_groups,
+                self.outcome.admitted_groups, float(self.stream.idle)]  # fmt: skip
+
+    def enter(self, groups: list[CarriedGroup]) -> None:
+        """Queue groups: rows still to decode (resumed after their tokens so far), samples already ended kept."""
+        prompts, resumed, owners = [], [], []
+        for group in groups:
+            index, pending = self.outcome.admitted_groups, _PendingGroup(group)
+            self.pending[index] = pending
+            for sample in range(self.driver.num_generations):
+                if not group.ended[sample]:
+                    prompts.append(group.prompt_ids)
+                    resumed.append((group.tokens[sample], group.logprobs[sample]))
+                    owners.append((index, sample))
+                    pending.left += 1
+                    self.resumed_tokens += len(group.tokens[sample])
+            self.outcome.admitted_groups += 1
+        if self.stream is None:
+            self.stream = self.driver.start(prompts, resumed)
+            rows = list(range(len(prompts)))
+        else:
+            rows = self.stream.add(prompts, resumed)
+        for row, (index, sample) in zip(rows, owners, strict=True):
+            self.pending[index].stream_rows[sample] = row
+            self.row_group[row] = (index, sample)
+
+    def admit(self, count: int) -> None:
+        """`count` new groups from the rank's next prompts."""
+        if count > 0:
+            drawn = [self.driver.next_prompt() for _ in range(count)]
+            self.enter([CarriedGroup.fresh(row, ids, self.driver.num_generations) for row, ids in drawn])
+
+    def free_groups(self, budget_left: float) -> int:
+        """Whole groups that fit the rank's free slots (`fill_rows` minus its rows in flight), within its share of
+        the admission budget."""
+        flying_rows = sum(pending.left for pending in self.pending.values())
+        free = (self.driver.fill_rows - flying_rows) // self.driver.num_generations
+        return max(0, min(free, math.floor(budget_left / self.driver.world)))
+
+    def collect(self, ended: list[int]) -> None:
+        """Note the stream rows that ended; score each group whose last row ended (nothing after a failure)."""
+        if self.failures:
+            return
+        done = []
+        for row in ended:
+            index, sample = self.row_group.pop(row)
+            pending = self.pending[index]
+            pending.ended.add(sample)
+            pending.left -= 1
+            if pending.left == 0:
+                done.append(index)
+        for index in done:
+            if not self._score(self.pending.pop(index)):
+                return
+
+    def _score(self, pending: _PendingGroup) -> bool:
+        """Score a finished group and keep or filter it; False once the scoring failed (the error is kept)."""
+        group, G = pending.merged(self.stream), self.driver.num_generations
+        try:
+            rewards, metric = self.driver.score(group.rows, group.prompt_ids, group.tokens)
+        except Exception as error:
+            error.add_note(
+                f"stream mode: raised on rank {self.driver.rank} scoring the group of prompt {_shown(group.rows[0])}"
+            )
+            self.failures.append(error)
+            return False
+        metric, earlier = metric.detach().float().cpu(), pending.group.earlier_tokens
+        if bool(self.outcome.stats.count_groups(metric, G, self.driver.keep_groups)[0]):
+            self.kept.append(
+                StreamedGroup(
+                    group.rows, group.prompt_ids, group.tokens, group.logprobs, rewards, len(self.kept), earlier
+                )
+            )
+        else:
+            self.outcome.stats.filtered_tokens += sum(len(t) for t in group.tokens) - earlier
+        return True
+
+    def close(self) -> StreamOutcome:
+        """The outcome with the engine's counts: tokens generated by this call, slot-steps, prefilled tokens."""
+        outcome, engine = self.outcome, self.stream.close()
+        outcome.stats.generated_tokens = engine.generated_tokens - self.resumed_tokens
+        outcome.carried_tokens = sum(group.earlier_tokens for group in outcome.carried) - sum(
+            pending.group.earlier_tokens for pending in self.pending.values()
+        )
+        outcome.stats.busy_slot_steps, outcome.stats.pool_slot_steps = engine.busy_slot_steps, engine.pool_slot_steps
+        outcome.stats.prefill_tokens = engine.prefill_tokens
+        outcome.kept = self.kept
+        return outcome

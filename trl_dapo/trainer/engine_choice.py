@@ -1,16 +1,20 @@
 """Which generation path a DAPOTrainer takes: trl-dapo's paged engine where it serves the set-up, TRL's path
-otherwise (logging why), and the engine's sampling settings from the config."""
+otherwise (logging why), the engine's sampling settings from the config, and its weights kept in step with the
+training model's."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ..models import base_model
 from ..rollout import PagedRolloutEngine, TokenSampling
 from ..rollout.architectures import unsupported_reason
-from ..rollout.sharded import is_zero3, parameter_gather
-from .passes import base_model
+from ..rollout.sharded import Gather
 
 logger = logging.getLogger(__name__)
 
@@ -50,52 +54,81 @@ def unusable_engine(choice: str, reason: str) -> ValueError:
     return ValueError(f"DAPOConfig.rollout_engine={choice!r} cannot be used here: {reason}.")
 
 
-def why_engine_cannot_serve(trainer) -> str | None:
+@dataclass(frozen=True)
+class EngineSetUp:
+    """What the engine choice reads of a built trainer (`trl_view.engine_set_up`)."""
+
+    args: Any  # the DAPOConfig
+    model: torch.nn.Module  # the training model as the engine reads it: no DDP or DeepSpeed wrapper (PEFT's kept)
+    device: torch.device
+    eos_token_ids: list[int]
+    pad_token_id: int
+    is_vlm: bool
+    rollout_func: Callable | None
+    calls_tools: bool
+    zero3: bool  # DeepSpeed ZeRO-3 shards the weights
+    fsdp1: bool  # FSDP version 1 shards the weights
+    gather: Gather  # how the sharded weights are read (`rollout/sharded.py`)
+    show_progress: bool
+
+
+def why_engine_cannot_serve(set_up: EngineSetUp) -> str | None:
     """Why the rollout engine cannot serve this trainer's set-up, or None when it can."""
-    args = trainer.args
-    settings = why_settings_rule_out_engine(args, trainer.rollout_func, bool(trainer.tools))
+    args = set_up.args
+    settings = why_settings_rule_out_engine(args, set_up.rollout_func, set_up.calls_tools)
     if settings is not None:
         return settings
-    architecture = unsupported_reason(base_model(trainer).config)
+    architecture = unsupported_reason(base_model(set_up.model).config)
     checks = [
-        (trainer._is_vlm, "multimodal model"),
+        (set_up.is_vlm, "multimodal model"),
         (architecture is not None, architecture),
         (
-            is_zero3(trainer) and not args.ds3_gather_for_generation,
+            set_up.zero3 and not args.ds3_gather_for_generation,
             "ds3_gather_for_generation=False asks for no full copy of the weights, which the engine keeps",
         ),
-        (
-            trainer.is_fsdp_enabled and not trainer.accelerator.is_fsdp2,
-            "FSDP1 shards the weights (use fsdp_version 2)",
-        ),
+        (set_up.fsdp1, "FSDP1 shards the weights (use fsdp_version 2)"),
     ]
     return next((reason for failed, reason in checks if failed), None)
 
 
-def select_rollout_engine(trainer) -> PagedRolloutEngine | None:
+def select_rollout_engine(set_up: EngineSetUp) -> PagedRolloutEngine | None:
     """The engine `rollout_engine` asks for ("auto": the paged engine on CUDA) when the set-up allows, else None."""
-    choice = trainer.args.rollout_engine
+    choice = set_up.args.rollout_engine
     if choice == "trl":
         return None
-    on_cuda = trainer.accelerator.device.type == "cuda"
+    on_cuda = set_up.device.type == "cuda"
     if choice == "auto" and not on_cuda:
         logger.info("rollout_engine='auto': no CUDA device, using TRL's generation path.")
         return None
-    reason = why_engine_cannot_serve(trainer)
+    reason = why_engine_cannot_serve(set_up)
     if reason is not None:
         if choice != "auto":
             raise unusable_engine(choice, reason)
         logger.warning("rollout_engine='auto' falls back to TRL's generation path: %s.", reason)
         return None
     return PagedRolloutEngine(
-        trainer.accelerator.unwrap_model(trainer.model),
-        eos_token_ids=trainer.eos_token_ids,
-        pad_token_id=trainer._tokenizer.pad_token_id,
+        set_up.model,
+        eos_token_ids=set_up.eos_token_ids,
+        pad_token_id=set_up.pad_token_id,
         dtype=torch.bfloat16 if on_cuda else torch.float32,
         cuda_graph=on_cuda,
-        memory_fraction=trainer.args.rollout_memory_fraction,
-        max_rows=trainer.args.rollout_max_rows,
-        show_progress=trainer.accelerator.is_main_process and not trainer.args.disable_tqdm,
-        device=trainer.accelerator.device,
-        gather=parameter_gather(trainer),
+        memory_fraction=set_up.args.rollout_memory_fraction,
+        max_rows=set_up.args.rollout_max_rows,
+        show_progress=set_up.show_progress,
+        device=set_up.device,
+        gather=set_up.gather,
     )
+
+
+class EngineWeights:
+    """The paged engine's weights, refreshed from the training model once per optimizer step at most (the weights
+    change once per step): rounds and the stream both generate with it."""
+
+    def __init__(self, engine: PagedRolloutEngine, model: Callable[[], torch.nn.Module]) -> None:
+        self.engine, self.model, self.step = engine, model, None
+
+    def current(self, step: int) -> PagedRolloutEngine:
+        if self.step != step:
+            self.engine.sync_weights(self.model())
+            self.step = step
+        return self.engine

@@ -1,11 +1,15 @@
 """The DAPO policy loss (arXiv 2503.14476, Eq. 8), as a pure function.
 
-    r_t   = π_θ(o_t) / π_rollout(o_t)                          importance ratio against the rollout policy
+    r_t   = π_θ(o_t) / π_old(o_t)                              importance ratio against the old policy
                                                                (1 on tokens outside the mask, whatever they hold)
     ℓ_t   = -min(r_t·A, clip(r_t, 1-ε_low, 1+ε_high)·A)         Clip-Higher (ε_high > ε_low)
     ℓ_t   = min(ℓ_t, -c·A)            where A < 0                dual clip of the reference recipe (c = clip_ratio_c)
     ℓ_t   = w_t · ℓ_t                 with token_weights          rollout correction (`mismatch.py`), detached
     loss  = Σ_{active t} ℓ_t / num_tokens                       token-level mean over the whole optimizer step
+
+π_old is `old_per_token_logps`: the rollout policy's logprobs with `old_logprobs="rollout"` (the default), the
+training model's recomputation before the generation batch's first update with `old_logprobs="recompute"`
+(`docs/design.md`, "The old policy and the train/rollout mismatch").
 
 `num_tokens` is passed in rather than counted here: it is the response-token count of the whole optimizer step (all
 micro-batches, all ranks), which no single micro-batch can see. A token weighted 0 (masked by the rollout correction)

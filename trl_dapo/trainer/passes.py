@@ -9,43 +9,38 @@ evaluation batch (`loss`). Padding-free passes are `docs/design.md`'s "Padding-f
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from accelerate.utils import DistributedType
-from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from ..rollout import weights
 from ..rollout_batch import OLD_LOGPROBS_STEP, RolloutBatch, count_loss_tokens, loss_mask
 from .batch_metrics import append_metrics
 from .deepspeed_skip import skip_next_update
 from .loss import active_mean, dapo_policy_loss
 from .micro_batches import MicroBatch, split_generation_batch
-from .mismatch import mismatch_metrics, rollout_correction
+from .mismatch import RolloutCorrection, mismatch_metrics, rollout_correction
 from .packed_attention import attention_for_packing, forward_packed, why_model_cannot_pack
 from .packing import pack_rows, unpack_scores
 from .step_metrics import StepMetrics
 
+if TYPE_CHECKING:
+    from .trl_view import TRLView
+
 logger = logging.getLogger(__name__)
 
 
-def base_model(trainer: GRPOTrainer) -> torch.nn.Module:
-    """The trainer's transformers model: no DDP, DeepSpeed or PEFT wrapper (the object whose attention is set)."""
-    return weights.base_model(trainer.accelerator.unwrap_model(trainer.model))
-
-
-def set_up_padding_free(trainer: GRPOTrainer) -> bool:
+def set_up_padding_free(view: TRLView) -> bool:
     """Whether the training passes run packed (`padding_free`; None: where flash attention runs); where the model
     cannot, say why once. The model's attention is switched only while the trainer runs (`TrainingPasses.attention`)."""
-    args, accelerator = trainer.args, trainer.accelerator
-    model = base_model(trainer)
+    args, accelerator = view.args, view.accelerator
+    model = view.base_model()
     half = args.bf16 or args.fp16 or model.dtype in (torch.bfloat16, torch.float16)
-    reason = why_model_cannot_pack(model, trainer._is_vlm)
+    reason = why_model_cannot_pack(model, view.is_vlm)
     if args.use_transformers_continuous_batching:
         reason = "transformers' continuous batching generates through the model's own attention implementation"
     if args.padding_free is None and not (accelerator.device.type == "cuda" and half):
@@ -60,25 +55,30 @@ def set_up_padding_free(trainer: GRPOTrainer) -> bool:
 
 
 class TrainingPasses:
-    """What the trainer trains on and how: built once from the trainer (its arguments, accelerator, model, TRL's
-    padded logprob pass, its metrics); `skipped_steps` counts the optimizer steps that had no rows."""
+    """What the trainer trains on and how: built once from the trainer's view (its arguments, accelerator, model,
+    TRL's padded logprob pass, its metrics), DAPO's clip bounds (`clips`: `epsilon_low`, `epsilon_high`,
+    `clip_ratio_c`) and TRL's router loss coefficient (None: no router term); `skipped_steps` counts the optimizer
+    steps that had no rows."""
 
-    def __init__(self, trainer: GRPOTrainer, padding_free: bool) -> None:
+    def __init__(
+        self,
+        view: TRLView,
+        padding_free: bool,
+        clips: dict[str, float | None],
+        router_aux_loss_coef: float | None,
+        num_iterations: int,
+    ) -> None:
         self.padding_free = padding_free
-        self.args, self.accelerator, self.metrics = trainer.args, trainer.accelerator, trainer._metrics
-        self.pad_token_id = trainer._tokenizer.pad_token_id
-        self.padded_logprobs = functools.partial(GRPOTrainer._get_per_token_logps_and_entropies, trainer)
-        self.model = lambda: trainer.model  # the module, for no-grad passes (not a DDP or DeepSpeed wrapper)
-        self.base_model = lambda: base_model(trainer)
-        self.step = lambda: trainer.state.global_step
-        self.clips = dict(
-            epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, clip_ratio_c=trainer.args.clip_ratio_c
-        )
-        self.router_aux_loss_coef = trainer.router_aux_loss_coef if trainer.aux_loss_enabled else None
-        self.num_iterations = trainer.num_iterations
-        # the Trainer's own deferral of gradient reduction, for a model transformers sharded with FSDP at load
-        sharded_at_load = getattr(trainer, "is_distributed_loading_by_transformers", False)
-        self.defer_fsdp_reduction = trainer._defer_fsdp_gradient_reduction if sharded_at_load else None
+        self.args, self.accelerator, self.metrics = view.args, view.accelerator, view.metrics
+        self.pad_token_id = view.pad_token_id
+        self.padded_logprobs = view.padded_logprobs
+        self.model = view.model  # the module, for no-grad passes (not a DDP or DeepSpeed wrapper)
+        self.base_model = view.base_model
+        self.step = view.step
+        self.clips = clips
+        self.router_aux_loss_coef = router_aux_loss_coef
+        self.num_iterations = num_iterations
+        self.defer_fsdp_reduction = view.defer_fsdp_reduction
         self.skipped_steps = 0
 
     def attention(self) -> contextlib.AbstractContextManager:
@@ -327,51 +327,36 @@ class TrainingPasses:
         """The DAPO loss of one pass's rows against the old policy, normalised by the step's token count, and its
         metrics added to `metrics`, both times `weight` (0: an empty pass's stand-in row, whose forward and backward
         only keep this rank in step with the others)."""
-        args, mask = self.args, loss_mask(rows)
+        mask = loss_mask(rows)
         per_token_logps, entropies, aux_loss = self.logprobs(
             model, *forward_inputs(rows), compute_entropy=True, compute_aux_loss=self.router_aux_loss_coef is not None
         )
-        old_per_token_logps = rows.get("old_per_token_logps")
-        if old_per_token_logps is None:  # evaluation batches are scored on-policy
-            old_per_token_logps = per_token_logps.detach()
-        # old_logprobs="recompute": the rollout's logprobs are kept apart (evaluation batches are TRL's own)
-        recomputed = mode == "train" and "sampling_per_token_logps" in rows
-        sampled = rows["sampling_per_token_logps"] if recomputed else old_per_token_logps
-        correction = None
-        if recomputed and args.rollout_correction is not None:
-            correction = rollout_correction(
-                old_per_token_logps,
-                sampled,
-                mask,
-                args.rollout_correction,
-                args.rollout_correction_max,
-                args.rollout_correction_min,
-            )
+        policy = self._old_policy(rows, per_token_logps, mask, mode)
         # Each rank divides by its share of the step's global count; DDP's gradient average then gives the
         # exact global token-mean.
         loss, stats = dapo_policy_loss(
             per_token_logps,
-            old_per_token_logps,
+            policy.old,
             rows["advantages"],
             mask,
             num_tokens=step_tokens.clamp(min=1.0) / self.accelerator.num_processes,
-            token_weights=None if correction is None else correction.weights,
-            **self.clips,
-        )
-        mismatch = mismatch_metrics(
-            per_token_logps.detach(),
-            old_per_token_logps,
-            sampled,
-            rows["advantages"],
-            mask,
-            recomputed=recomputed,
-            correction=correction,
+            token_weights=None if policy.correction is None else policy.correction.weights,
             **self.clips,
         )
         if self.router_aux_loss_coef is not None:
             # TRL's router load-balancing term, averaged over the optimizer step's passes
             aux_loss = aux_loss * aux_weight
             loss = loss + self.router_aux_loss_coef * aux_loss
+        mismatch = mismatch_metrics(
+            per_token_logps.detach(),
+            policy.old,
+            policy.sampled,
+            rows["advantages"],
+            mask,
+            recomputed=policy.recomputed,
+            correction=policy.correction,
+            **self.clips,
+        )
         active = mask.bool()
         metrics.add(
             token_means={
@@ -387,6 +372,35 @@ class TrainingPasses:
             aux_loss=aux_loss.detach() if self.router_aux_loss_coef is not None else None,
         )
         return loss * weight
+
+    def _old_policy(
+        self, rows: RolloutBatch, per_token_logps: torch.Tensor, mask: torch.Tensor, mode: str
+    ) -> OldPolicy:
+        """A pass's old policy (the ratio's denominator), the policy that sampled its tokens, and the rollout
+        correction's weights where the old policy was recomputed and a correction is set."""
+        args = self.args
+        old = rows.get("old_per_token_logps")
+        if old is None:  # evaluation batches are scored on-policy
+            old = per_token_logps.detach()
+        # old_logprobs="recompute": the rollout's logprobs are kept apart (evaluation batches are TRL's own)
+        recomputed = mode == "train" and "sampling_per_token_logps" in rows
+        sampled = rows["sampling_per_token_logps"] if recomputed else old
+        correction = None
+        if recomputed and args.rollout_correction is not None:
+            correction = rollout_correction(
+                old, sampled, mask, args.rollout_correction, args.rollout_correction_max, args.rollout_correction_min
+            )
+        return OldPolicy(old, sampled, recomputed, correction)
+
+
+class OldPolicy(NamedTuple):
+    """What a pass's loss is taken against: the old policy's logprobs, the sampling policy's (the same tensor unless
+    the old policy was recomputed) and the rollout correction, where there is one."""
+
+    old: torch.Tensor
+    sampled: torch.Tensor
+    recomputed: bool
+    correction: RolloutCorrection | None
 
 
 def _sharded_at_load(model) -> bool:

@@ -15,11 +15,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from trl import GRPOTrainer
 
 from ..integrity import RolloutIntegrityError, check_completions, check_groups
 from ..rollout_batch import (
@@ -32,6 +31,9 @@ from ..rollout_batch import (
     loss_mask,
     num_rows,
 )
+
+if TYPE_CHECKING:
+    from .trl_view import TRLView
 
 # Keys TRL may return that carry nothing DAPO needs once the rollout logprobs are recorded.
 DROPPED_KEYS = ("num_items_in_batch", "sampling_per_token_logps", "importance_sampling_ratio")
@@ -102,7 +104,7 @@ class Round:
 
 
 class TRLRounds:
-    """Runs rounds through TRL's method on `trainer` and turns each into DAPO's global rollout batch.
+    """Runs rounds through TRL's method (`view.generate_and_score`) and turns each into DAPO's global rollout batch.
 
     `recompute_logprobs(batch)`: the training model's logprobs of a round's completion tokens under the current
     weights (a no-grad pass), for rounds whose generation path returned none. `filter_metric(rewards)`: what dynamic
@@ -110,12 +112,12 @@ class TRLRounds:
 
     def __init__(
         self,
-        trainer: GRPOTrainer,
+        view: TRLView,
         recompute_logprobs: Callable[[RolloutBatch], torch.Tensor],
         filter_metric: Callable[[torch.Tensor], torch.Tensor],
         trained_batch_metric_names: list[str],
     ) -> None:
-        self.trainer = trainer
+        self.view = view
         self.recompute_logprobs, self.filter_metric = recompute_logprobs, filter_metric
         self.trained_batch_metric_names = trained_batch_metric_names
         self.current: RoundContext | None = None
@@ -137,13 +139,12 @@ class TRLRounds:
         """Generate and score this rank's rows of one round with TRL. Unless the round is trained as generated (no
         dynamic sampling), TRL's completion and reward metrics of the round are removed: they would describe
         candidates, and the accepted groups' are logged once the generation batch is full."""
-        trainer = self.trainer
-        metrics = trainer._metrics["train"]
+        metrics = self.view.metrics["train"]
         marks = (
             None if trained_as_generated else {name: len(metrics[name]) for name in self.trained_batch_metric_names}
         )
         with self.open(streamed) as context:
-            output = trainer._generate_and_score_completions(local_inputs)  # TRL's (DAPOTrainer does not override it)
+            output = self.view.generate_and_score(local_inputs)  # TRL's method (DAPOTrainer does not override it)
         if context.scores is None:
             raise RuntimeError("TRL's method returned without scoring the round's completions.")
         if marks is not None:
@@ -158,7 +159,7 @@ class TRLRounds:
     def _global_batch(self, output: dict[str, Any], context: RoundContext) -> RolloutBatch:
         """The round's rows of every rank with their rollout logprobs (and the old policy's, where recomputed), checked,
         with the rewards, completion lengths and truncation flags TRL's output drops."""
-        trainer, scores = self.trainer, context.scores
+        view, scores = self.view, context.scores
         unknown = set(output) - set(PADDED_KEYS) - set(ROW_KEYS) - set(DROPPED_KEYS)
         if unknown:
             raise NotImplementedError(
@@ -168,14 +169,14 @@ class TRLRounds:
         local = {key: output[key] for key in (*PADDED_KEYS, "advantages") if key in output and key not in LOGPROB_KEYS}
         sampled, recomputed = self._rollout_logprobs(output, context.engine_logprobs)
         rollout_key = "old_per_token_logps"
-        if trainer.args.old_logprobs == "recompute":
+        if view.args.old_logprobs == "recompute":
             rollout_key = "sampling_per_token_logps"
             local["old_per_token_logps"] = torch.zeros_like(sampled) if recomputed is None else recomputed
-            step = -1 if recomputed is None else trainer.state.global_step
+            step = -1 if recomputed is None else view.step()
             local[OLD_LOGPROBS_STEP] = torch.full((sampled.size(0),), step, device=sampled.device)
         local[rollout_key] = sampled
-        batch = gather_rollout(local, trainer.accelerator, trainer._tokenizer.pad_token_id)
-        check_groups(batch["prompt_ids"], batch["prompt_mask"], trainer.num_generations)
+        batch = gather_rollout(local, view.accelerator, view.pad_token_id)
+        check_groups(batch["prompt_ids"], batch["prompt_mask"], view.num_generations)
         counted = loss_mask(batch).bool()
         check_completions(batch["completion_ids"], batch["completion_mask"], batch[rollout_key], counted, rollout_key)
         if scores.rewards.size(0) != num_rows(batch):

@@ -6,16 +6,18 @@
 TRL's `_calculate_rewards` cannot serve there: it gathers the rewards over the ranks (a collective, which ranks
 finishing groups at different times would block in) and times itself into the metrics; the way TRL turns completion
 ids into what reward functions read is inline in `_generate`, not a method it could call. So the scorer calls each
-reward function with what TRL passes it, and refuses at set-up what it would build differently from TRL: a tokenizer
-with a response template or schema, whose completions TRL parses (`parse_response`) rather than decodes.
+reward function with what TRL passes it; stream mode refuses at set-up what it would build differently from TRL (a
+tokenizer with a response template or schema, whose completions TRL parses rather than decodes).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers import TrainerState
 from trl.data_utils import is_conversational
 
 from ..integrity import RolloutIntegrityError, check_rewards
@@ -41,22 +43,24 @@ class GroupScorer:
     `trainer_state`, `log_metric` and `log_extra`, whose columns are not kept: a warning says so once), and its filter
     metric. No collective: ranks finish groups at different times."""
 
-    def __init__(self, trainer, filter_metric: FilterMetric) -> None:
-        tokenizer = trainer._tokenizer
-        parsed = [name for name in ("response_template", "response_schema") if getattr(tokenizer, name, None)]
-        if parsed:
-            raise ValueError(
-                f"processing_class: the tokenizer has a {parsed[0]}, so TRL parses each completion with it "
-                "(parse_response: tool calls, reasoning) before the reward functions see it; "
-                "dynamic_sampling_mode='stream' scores groups on their rank as plain decoded text and would hand the "
-                "reward functions other completions. Use dynamic_sampling_mode='rounds', or a tokenizer without "
-                f"{parsed[0]}."
-            )
-        self.functions, self.names = trainer.reward_funcs, trainer.reward_func_names
-        self.tasks = slice(0, trainer.num_task_rewards)
-        self.decode, self.filter_metric = trainer.processing_class.batch_decode, filter_metric
-        self.extra = dict(log_extra=self._log_extra, log_metric=trainer._log_metric)
-        self.state = lambda: trainer.state
+    def __init__(
+        self,
+        functions: list[Callable],
+        names: list[str],
+        num_task_rewards: int,
+        decode: Callable[..., list[str]],
+        log_metric: Callable[[str, float], None],
+        state: Callable[[], TrainerState],
+        filter_metric: FilterMetric,
+    ) -> None:
+        """`functions` and `names`: the trainer's reward functions, the first `num_task_rewards` of them the task's
+        (the overlong penalty follows); `decode`: the processing class's `batch_decode`; `log_metric`: TRL's, handed
+        to the reward functions; `state()`: the Trainer's state they get as `trainer_state`."""
+        self.functions, self.names = functions, names
+        self.tasks = slice(0, num_task_rewards)
+        self.decode, self.filter_metric = decode, filter_metric
+        self.extra = dict(log_extra=self._log_extra, log_metric=log_metric)
+        self.state = state
         self.warned_log_extra = False
 
     def _log_extra(self, column: str, values: list) -> None:

@@ -2,9 +2,10 @@
 datasets.
 
 `DAPOTrainer.__init__` runs `check_set_up` before TRL loads any model, and a script that builds or warm-starts its
-model itself (the math recipe) calls it before doing so: a typo costs seconds, not a model load. The same functions
-run again where the trainer resolves what they check, with what only the built trainer knows (reward functions an
-environment adds, the model's support by the rollout engine).
+model itself (the math recipe) calls it before doing so: a typo costs seconds, not a model load. What a collection
+strategy needs is its own `check` (`collect.py`), called from here. Where the trainer resolves what these functions
+check, with what only the built trainer knows (reward functions an environment adds, whether the rollout engine serves
+the model), it checks again.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Any
 
 from datasets import IterableDataset
 from torch import nn
-from trl.trainer.utils import get_callable_name, get_config_model_id, is_async_callable
+from trl.trainer.utils import get_callable_name, get_config_model_id
 
 from ..rewards.overlong import OVERLONG_REWARD_NAME
+from .collect import CandidateRounds, Collector, OneRound
 from .config import DAPOConfig
 from .engine_choice import unusable_engine, why_settings_rule_out_engine
+from .streamed import StreamedGroups
 
 
 def reward_function_names(reward_funcs: Any, args: DAPOConfig) -> list[str]:
@@ -44,24 +47,11 @@ def filter_column(metric: str | None, names: Sequence[str]) -> int | None:
     return list(names).index(metric)
 
 
-def check_stream_reward_functions(reward_funcs: Any, names: Sequence[str]) -> None:
-    """Stream mode scores each group on its own rank as it ends: plain callables only (a hub id is a reward model)."""
-    for function, name in zip(_as_list(reward_funcs), names, strict=False):
-        if isinstance(function, str | nn.Module) or is_async_callable(function):
-            raise ValueError(
-                f"reward_funcs: {name!r} is a reward model or an async function; dynamic_sampling_mode='stream' "
-                "scores each group on its own rank as it ends and supports plain callables only: use "
-                "dynamic_sampling_mode='rounds', or wrap it in a plain function."
-            )
-
-
-def stream_without_engine(args: DAPOConfig, reason: str) -> ValueError:
-    """Stream mode on a set-up where the paged engine does not generate, and why."""
-    return ValueError(
-        "DAPOConfig.dynamic_sampling_mode='stream' refills the decode slots of trl-dapo's paged engine, which this "
-        f"trainer would not generate with (rollout_engine={args.rollout_engine!r}: {reason}). Set "
-        "rollout_engine='paged' (its CPU path works for tests), or dynamic_sampling_mode='rounds'."
-    )
+def collection_strategy(args: DAPOConfig) -> type[Collector]:
+    """The collector `dynamic_sampling` and `dynamic_sampling_mode` ask for (`collect.py`)."""
+    if not args.dynamic_sampling:
+        return OneRound
+    return CandidateRounds if args.dynamic_sampling_mode == "rounds" else StreamedGroups
 
 
 def check_datasets(
@@ -133,13 +123,7 @@ def check_set_up(
         reason = why_settings_rule_out_engine(args, rollout_func, calls_tools)
         if reason is not None:
             raise unusable_engine(args.rollout_engine, reason)
-    if args.dynamic_sampling_mode == "stream":
-        if args.rollout_engine == "auto" and args.device.type != "cuda":
-            raise stream_without_engine(args, "without a CUDA device TRL's path generates")
-        reason = why_settings_rule_out_engine(args, rollout_func, calls_tools)
-        if reason is not None:
-            raise stream_without_engine(args, reason)
-        check_stream_reward_functions(reward_funcs, names)
+    collection_strategy(args).check(args, _as_list(reward_funcs), names, rollout_func, calls_tools)
     check_datasets(args, train_dataset, eval_dataset, args.world_size, environment_factory is not None)
 
 

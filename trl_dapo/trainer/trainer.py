@@ -28,7 +28,6 @@ from trl import GRPOTrainer
 
 from ..integrity import RolloutIntegrityError, check_rewards, checked_reward_function
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
-from ..rollout import PagedRolloutEngine
 from ..rollout_batch import (
     RolloutBatch,
     num_rows,
@@ -39,14 +38,14 @@ from ..sampling import (
     make_prompt_stream,
 )
 from .batch_metrics import append_metrics, rollout_metrics, trained_batch_metric_names, trained_batch_metrics
-from .collect import EngineWeights, make_collector
 from .config import DAPOConfig
-from .engine_choice import select_rollout_engine, token_sampling
+from .engine_choice import EngineWeights, select_rollout_engine, token_sampling
 from .micro_batches import MicroBatch
 from .passes import TrainingPasses, set_up_padding_free
 from .round import TRLRounds, round_scores
 from .scoring import FilterMetric
-from .set_up import check_set_up, check_stream_reward_functions, filter_column, stream_without_engine
+from .set_up import check_set_up, filter_column
+from .trl_view import collector, engine_set_up, view_of
 
 logger = logging.getLogger(__name__)
 
@@ -106,32 +105,26 @@ class DAPOTrainer(GRPOTrainer):
             if args.dynamic_sampling
             else None
         )
-        self.rollout_engine = select_rollout_engine(self)
+        self.paged_engine = select_rollout_engine(engine_set_up(self))
         self.engine_weights = (
-            EngineWeights(self.rollout_engine, lambda: self.accelerator.unwrap_model(self.model))
-            if self.rollout_engine is not None
+            EngineWeights(self.paged_engine, lambda: self.accelerator.unwrap_model(self.model))
+            if self.paged_engine is not None
             else None
         )
-        self.padding_free = set_up_padding_free(self)
-        self.passes = TrainingPasses(self, self.padding_free)
-        if args.dynamic_sampling_mode == "stream":
-            self._check_stream_set_up()
+        view = view_of(self)
+        self.padding_free = set_up_padding_free(view)
+        clips = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, clip_ratio_c=args.clip_ratio_c)
+        router_aux_loss_coef = self.router_aux_loss_coef if self.aux_loss_enabled else None
+        self.passes = TrainingPasses(view, self.padding_free, clips, router_aux_loss_coef, self.num_iterations)
         column = filter_column(args.dynamic_sampling_metric, self.reward_func_names)
         filter_metric = FilterMetric(column, self.reward_weights)
         self.rounds = TRLRounds(
-            self,
+            view,
             recompute_logprobs=lambda batch: self.passes.no_grad_logprobs(batch, args.per_device_train_batch_size),
             filter_metric=filter_metric,
             trained_batch_metric_names=trained_batch_metric_names(self.reward_func_names),
         )
-        self.collector = make_collector(self, self.rounds, filter_metric)
-
-    def _check_stream_set_up(self) -> None:
-        """Stream mode scores groups on the host while the paged engine decodes: say what is missing now that the
-        model and every reward function (an environment's too) are known."""
-        if not isinstance(self.rollout_engine, PagedRolloutEngine):
-            raise stream_without_engine(self.args, "on this set-up TRL's path generates, see the log for why")
-        check_stream_reward_functions(self.reward_funcs, self.reward_func_names)
+        self.collector = collector(self, self.rounds, filter_metric)
 
     # ----------------------------------------------------------------------------------------------- generation
 
@@ -148,7 +141,7 @@ class DAPOTrainer(GRPOTrainer):
                 )
             context.record_generation(context.streamed.logprobs)
             return context.streamed.completions, None
-        if self.rollout_engine is None or images is not None or multimodal_fields:
+        if self.paged_engine is None or images is not None or multimodal_fields:
             context.record_trl_generation()  # again for each tool-calling turn
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
@@ -201,6 +194,16 @@ class DAPOTrainer(GRPOTrainer):
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             self._buffered_inputs = self.passes.micro_batches(self._collect_generation_batch(generation_batch))
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def add_metrics(self, values: dict[str, float]) -> None:
+        """Training metrics that join the next log, averaged with the other values since the last one (as TRL's
+        are): what a callback measures between logs (`evaluation.MathAccuracyCallback`)."""
+        append_metrics(self._metrics["train"], values)
+
+    def flush_metrics(self) -> None:
+        """Log the training metrics added since the last log, if any: at the end of training no later log comes."""
+        if self._metrics["train"]:
+            self.log({})
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """`dapo/skipped_steps` is a running count: logged as it stands, not averaged like TRL's per-step metrics."""

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
-from ..weights import cat_linear, linear_weight, sliding_window
+from ...models import sliding_window
+from ..weights import cat_linear, linear_weight
 from .base import DecoderArchitecture
 
 
