@@ -210,7 +210,7 @@ def count_no_grad_forwards(trainer) -> list:
 
 def record_engine_syncs(trainer) -> list:
     """A copy of the engine's weights after each of its synchronisations with the training model."""
-    snapshots, engine = [], trainer.rollout_engine
+    snapshots, engine = [], trainer.paged_engine
     sync = engine.sync_weights
 
     def recorded(model) -> None:
