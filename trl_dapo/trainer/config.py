@@ -181,7 +181,9 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         padding_free_max_tokens (`int` or `None`, *optional*, defaults to `None`):
             Most tokens (prompt and completion) in one padding-free pass on one device, like verl's
             `ppo_max_token_len_per_gpu`: a micro-batch with more runs as several forward/backward passes, and a row
-            longer than the cap trains alone. `None`: one pass per micro-batch (its share of the step's tokens).
+            longer than the cap trains alone. `None`: one pass per micro-batch (its share of the step's tokens). With
+            `padding_free=False` a cap is an error; where the passes fall back to padded it does not apply, and a
+            warning says so once.
     """
 
     bf16: bool | None = field(
