@@ -17,7 +17,8 @@ ROOT = Path(__file__).parent.parent
 DOCUMENTS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # The one section whose commands run in another shell: a GPU machine's own python3, with no .venv.
 OTHER_MACHINE_HEADING = "## On a GPU machine without .venv"
-EXECUTABLE = r"(?:[A-Z_]+=\S*\s+)*(?:\.venv/bin/\S+|python3?|pip3?|accelerate|pytest|torchrun|deepspeed|make)\s+\S"
+SETTING = r"[A-Z_]+=\S*"  # an environment setting before a command, NAME=value
+EXECUTABLE = rf"(?:{SETTING}\s+)*(?:\.venv/bin/\S+|python3?|pip3?|accelerate|pytest|torchrun|deepspeed|make)\s+\S"
 # A fresh login shell: no VIRTUAL_ENV, no .venv/bin on PATH.
 FRESH_SHELL = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "LANG": "C.UTF-8"}
 
@@ -82,15 +83,16 @@ def printed_commands() -> list[tuple[Path, str, str, bool]]:
     return commands
 
 
-def _program(command: str) -> str:
-    """The executable a command runs, after any `NAME=value` environment settings."""
-    return next(word for word in shlex.split(command) if not re.fullmatch(r"[A-Z_]+=\S*", word))
+def _words(command: str) -> list[str]:
+    """The command's words from the executable on, after any `NAME=value` environment settings."""
+    words = shlex.split(command)
+    return words[next(index for index, word in enumerate(words) if not re.fullmatch(SETTING, word)) :]
 
 
 def _targets(command: str, inline: bool) -> list[tuple[str, str, list[str]]]:
     """The python targets a command runs, ("module" | "script", name, arguments); arguments of a sketch in prose
     (`--check ...`) are not checked. `accelerate launch` runs its script; its config file must exist."""
-    words = [word for word in shlex.split(command) if not re.fullmatch(r"[A-Z_]+=\S*", word)]
+    words = _words(command)
     program, rest = Path(words[0]).name, words[1:]
     if program == "accelerate":
         assert rest[0] == "launch", command
@@ -117,7 +119,7 @@ def test_every_printed_command_calls_the_venv_or_make_outside_the_other_machines
     bare = [
         (document.name, command)
         for document, command, heading, _ in commands
-        if not _program(command).startswith((".venv/bin/", "make"))
+        if not _words(command)[0].startswith((".venv/bin/", "make"))
         and not (document == ROOT / "benchmarks" / "README.md" and heading.startswith(OTHER_MACHINE_HEADING))
     ]
     assert bare == []
@@ -129,7 +131,7 @@ def test_every_printed_command_runs_as_printed_in_a_fresh_shell():
     machine's section are checked with `.venv/bin/python`, the same modules."""
     targets, make_commands, pytest_commands = [], set(), []
     for _, command, _, inline in printed_commands():
-        words = shlex.split(command)
+        words = _words(command)
         if words[0] == "make":
             make_commands.add(tuple(words[1:]))
         elif words[1:3] == ["-m", "pytest"]:
