@@ -12,12 +12,30 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # `make test VENV=.venv-trl1.17 TRL="trl==1.17.*"`. The boundary it checks first: tests/test_trl_boundary.py.
 TRL ?=
 
+# Run when pip could not install torch: pip reports an index it cannot reach as "No matching distribution" or
+# "ResolutionImpossible", which hides the network error. Says so, with the two ways to install without the index.
+define TORCH_INDEX_CHECK
+import sys, urllib.request
+index, torch, goal = sys.argv[1:]
+try:
+    urllib.request.urlopen(index.rstrip("/") + "/torch/", timeout=30)
+except Exception as error:
+    sys.exit(f"""
+make: pip found no {torch}: PyTorch's index {index} cannot be reached from here ({error}).
+pip reports that as "No matching distribution" or "ResolutionImpossible". To install without it, either
+  - put a {torch} wheel for this Python in a folder and point pip at it: PIP_FIND_LINKS=/path/to/wheels make {goal}
+  - or take PyPI's torch (a CUDA build of several GB): make {goal} TORCH=torch==2.13.0 TORCH_INDEX=
+""")
+endef
+export TORCH_INDEX_CHECK
+
 .PHONY: install install-deepspeed demo test lint format
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-deps --retries 1 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(PY) -m pip install -q --no-deps --retries 1 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH)" \
+		|| { $(if $(TORCH_INDEX),$(PY) -c "$$TORCH_INDEX_CHECK" "$(TORCH_INDEX)" "$(TORCH)" "$(or $(MAKECMDGOALS),install)";) exit 1; }
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
 	$(if $(TRL),$(PY) -m pip install -q "$(TRL)")

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from ablation.task import (
     verify,
 )
 from ablation.variants import VARIANTS, AdditionReward, run_order, trainer_setup
+from dapo_ablation import parse_args, study_config
 from trl_dapo import DAPOConfig
 from trl_dapo.evaluation import _by_group, _first_eos_mask
 from trl_dapo.rewards import OverlongPenalty
@@ -158,6 +160,18 @@ def test_the_warm_start_attends_on_the_math_backend_only(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
     record = warm_start(tmp_path, config, held_out_prompts=set(), seed=0)
     assert record["steps"] == 1 and fused and not any(fused)
+
+
+def test_the_readme_names_the_command_of_the_study_it_reports():
+    """The README reports a 10-seed study while the default runs 5: the command it prints runs as many seeds as the
+    study it reports, and the default does not."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## The ablation") : readme.index("## What DAPO changes")]
+    reported = int(re.search(r"\((\d+) seeds x 7 variants", section).group(1))
+    commands = re.findall(r"`\.venv/bin/python recipes/dapo_ablation\.py([^`]*)`", section)
+    seeds = [len(study_config(parse_args(command.split())).seeds) for command in commands if "--seeds" in command]
+    assert seeds == [reported] and reported == 10
+    assert len(study_config(parse_args([])).seeds) == 5
 
 
 def test_regimes_keep_the_first_study_and_give_the_paper_regime_its_preconditions():

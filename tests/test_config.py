@@ -1,6 +1,7 @@
 """DAPOConfig defaults and every validation error (each names the field)."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from trl import GRPOConfig
 
 from trl_dapo import DAPOConfig
 from trl_dapo.trainer import grpo_fields
+from trl_dapo.trainer.field_rules import FIELD_RULES
 from trl_dapo.trainer.grpo_fields import (
     GENERIC_REASON,
     HONOURED_FIELDS,
@@ -136,9 +138,102 @@ def test_invalid_settings_name_the_field(overrides, field):
         make(**overrides)
 
 
+FLOAT_FIELDS = [name for name, rule in FIELD_RULES.items() if rule.kind is float]
+BOUNDED_COUNTS = [name for name, rule in FIELD_RULES.items() if rule.kind is int and rule.low is not None]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+def test_a_number_that_is_not_finite_is_refused_naming_the_field(name, value):
+    """NaN passes every `<` / `>=` range check: an epsilon of NaN gave a NaN loss, logged as 0.0, every step."""
+    with pytest.raises(ValueError, match=rf"^DAPOConfig\.{name}={value!r} is invalid: use a finite number"):
+        make(**{name: value})
+
+
+@pytest.mark.parametrize("name", BOUNDED_COUNTS)
+def test_a_count_below_its_least_value_is_refused_naming_the_field(name):
+    least = FIELD_RULES[name].low
+    with pytest.raises(ValueError, match=rf"^DAPOConfig\.{name}={least - 1} is invalid: use (a positive|0 or|an int)"):
+        make(**{name: least - 1})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            dict(epsilon=float("nan"), epsilon_high=float("nan")),
+            "epsilon=nan is invalid: use a finite number in [0, 1)",
+        ),
+        (dict(clip_ratio_c=float("nan")), "clip_ratio_c=nan is invalid: use a finite number > 1 or None"),
+        (
+            dict(overlong_penalty_factor=float("nan")),
+            "overlong_penalty_factor=nan is invalid: use a finite number >= 0",
+        ),
+        (
+            dict(reward_weights=[1.0, float("nan")]),
+            "reward_weights=[1.0, nan] is invalid: every weight must be a finite number",
+        ),
+        (dict(learning_rate=float("nan")), "learning_rate=nan is invalid"),
+        (dict(temperature=float("inf")), "temperature=inf is invalid: use a finite number > 0"),
+        (dict(top_p=float("nan")), "top_p=nan is invalid: use a finite number in (0, 1]"),
+        (dict(dynamic_sampling_oversample="nan"), "dynamic_sampling_oversample='nan' is invalid"),
+        (dict(dynamic_sampling_oversample=float("inf")), "dynamic_sampling_oversample=inf is invalid"),
+        (dict(per_device_train_batch_size=0), "per_device_train_batch_size=0 is invalid: use a positive integer"),
+        (dict(generation_batch_size=0), "generation_batch_size=0 is invalid: use a positive integer"),
+        (dict(steps_per_generation=0), "steps_per_generation=0 is invalid: use a positive integer"),
+        (dict(num_iterations=0), "num_iterations=0 is invalid: use a positive integer"),
+        (dict(padding_free_max_tokens=0), "padding_free_max_tokens=0 is invalid: use a positive integer"),
+        (
+            dict(max_num_gen_batches=-1),
+            "max_num_gen_batches=-1 is invalid: use 0 or a positive integer (0 = unlimited)",
+        ),
+    ],
+)
+def test_the_new_users_bad_numbers_are_refused_naming_the_field(overrides, message):
+    """The settings a new user passed that trained on NaN or failed after the model loaded, naming no field."""
+    with pytest.raises(ValueError, match="^DAPOConfig." + re.escape(message)):
+        make(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(max_num_gen_batches="3"), "max_num_gen_batches='3' is a str, not an int: pass max_num_gen_batches=3 ("),
+        (dict(num_generations="4"), "num_generations='4' is a str, not an int: pass num_generations=4 ("),
+        (dict(learning_rate="3e-5"), "learning_rate='3e-5' is a str, not a number: pass learning_rate=3e-05 ("),
+        (dict(dynamic_sampling="False"), "dynamic_sampling='False' is a str, not a bool (True or False): pass "),
+        (dict(per_device_train_batch_size=16.0), "per_device_train_batch_size=16.0 is a float, not an int."),
+        (dict(max_num_gen_batches=True), "max_num_gen_batches=True is a bool, not an int."),
+        (dict(reward_weights="1.0"), "reward_weights='1.0' is a str, not a list of numbers or None."),
+        (dict(reward_weights=["1.0"]), "reward_weights=['1.0'] is invalid: every weight must be a finite number"),
+        (dict(max_surplus_age="two"), "max_surplus_age='two' is a str, not an int or None."),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_naming_the_field_and_both_types(overrides, message):
+    """Before any comparison (DAPO's, TRL's or transformers'), which would raise TypeError naming no field."""
+    with pytest.raises((TypeError, ValueError), match="^DAPOConfig." + re.escape(message)):
+        make(**overrides)
+
+
+def _plain_types(annotation) -> set[str]:
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    return {part.strip() for part in text.split("|")} - {"None"}
+
+
+def test_every_number_and_switch_dapo_reads_has_a_rule():
+    """DAPO's own fields and the GRPOConfig fields it honours: one typed as numbers or bools is in the table, so a new
+    field cannot miss its type and range check."""
+    own = {f.name for f in dataclasses.fields(DAPOConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
+    annotations = {f.name: f.type for f in dataclasses.fields(DAPOConfig)}
+    scalar = {"int", "float", "bool", "list[float]"}
+    read = [name for name in sorted(own | HONOURED_FIELDS) if _plain_types(annotations[name]) <= scalar]
+    assert len(read) >= 50 and [name for name in read if name not in FIELD_RULES] == []
+    assert make(top_k=0, max_grad_norm=0.0, learning_rate=1, rollout_correction_min=None).learning_rate == 1
+
+
 def test_a_completion_length_below_one_is_blamed_on_itself():
     """Not on `overlong_buffer_len`, whose default follows it, with the rejected value as the fix."""
-    with pytest.raises(ValueError, match=r"DAPOConfig.max_completion_length=0 is invalid: use a positive number"):
+    with pytest.raises(ValueError, match=r"DAPOConfig.max_completion_length=0 is invalid: use a positive integer"):
         make(max_completion_length=0)
 
 
@@ -249,7 +344,12 @@ DEMO = yaml.safe_load((Path(__file__).parent.parent / "recipes" / "configs" / "t
 @pytest.mark.parametrize(
     ("world", "fix"),
     [
-        (3, "generation_batch_size to a multiple of 192;"),
+        # no micro-batch size splits 128 completions over 3 processes: the nearest generation batch that does
+        (
+            3,
+            "generation_batch_size to a multiple of 192 or generation_batch_size=120 with per_device_train_batch_size "
+            "a divisor of 40;",
+        ),
         (4, "generation_batch_size to a multiple of 256 or per_device_train_batch_size to a divisor of 32;"),
     ],
 )
@@ -265,6 +365,11 @@ def test_the_demo_batch_on_other_process_counts_names_the_fields_and_the_counts_
     assert make(**{**batch, "generation_batch_size": 64 * world}).steps_per_generation == 1  # the fixes named work
     if world == 4:
         assert make(**{**batch, "per_device_train_batch_size": 32}).steps_per_generation == 1
+    if world == 3:
+        assert (
+            make(**{**batch, "generation_batch_size": 120, "per_device_train_batch_size": 40}).steps_per_generation
+            == 1
+        )
     for works in (1, 2):
         monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self, count=works: count))
         assert make(**batch).steps_per_generation == 2 // works

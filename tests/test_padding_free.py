@@ -264,6 +264,25 @@ def test_padding_free_is_automatic_where_flash_attention_runs(tiny_model, tmp_pa
         dapo_args(tmp_path / "d", padding_free_max_tokens=0)
 
 
+def test_a_token_cap_the_padded_passes_cannot_use_is_a_warning_naming_it(tiny_model, tmp_path, caplog):
+    """padding_free=None where passes fall back to padded (the CPU here): the cap is not refused, as it is with
+    padding_free=False (a GPU config runs unchanged on the CPU), but warned about once, naming it."""
+    with caplog.at_level("INFO", logger="trl_dapo"):
+        trainer = DAPOTrainer(
+            model=tiny_model, reward_funcs=length_reward, args=dapo_args(tmp_path, padding_free_max_tokens=100),
+            train_dataset=arithmetic_prompts(8),
+        )  # fmt: skip
+    assert not trainer.padding_free
+    records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "trl_dapo.trainer.passes"]
+    assert records == [
+        (
+            "WARNING",
+            "Training passes are padded: padding_free=None packs where flash attention runs (CUDA with bf16 or fp16). "
+            "DAPOConfig.padding_free_max_tokens=100 does not apply: it caps padding-free passes.",
+        )
+    ]
+
+
 class RaiseAtTrainBegin(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         raise RuntimeError("stopped at train begin")

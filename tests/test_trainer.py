@@ -1,6 +1,7 @@
 """Real `DAPOTrainer.train()` runs on the tiny local model: generation, metrics, dynamic sampling, limits, overlong
 shaping, integrity errors, PEFT, evaluation and checkpoint resume."""
 
+import datetime
 import math
 
 import numpy as np
@@ -20,6 +21,7 @@ from trl_dapo.rollout_batch import OLD_LOGPROBS_STEP
 from trl_dapo.sampling import DynamicSamplingLimitError
 from trl_dapo.testing import ScriptedRollout
 from trl_dapo.trainer.batch_metrics import trained_batch_metric_names
+from trl_dapo.trainer.checkpoint_files import GENERATION_BATCH_FILE
 from trl_dapo.trainer.collect import RoundProgress
 from trl_dapo.trainer.micro_batches import MicroBatch
 from trl_dapo.trainer.round import RoundContext, RoundScores
@@ -883,6 +885,66 @@ def test_every_rank_runs_each_recompute_pass_some_rank_needs(tiny_model, tmp_pat
     old = torch.cat([first["old_per_token_logps"], second["old_per_token_logps"]])
     torch.testing.assert_close(old[1:3], expected[1:3], atol=1e-5, rtol=1e-5)
     assert torch.equal(old[[0, 3, 4, 5, 6, 7]], kept[[0, 3, 4, 5, 6, 7]])
+
+
+def test_a_run_resumed_inside_a_generation_batch_equals_the_uninterrupted_run(tiny_model, tmp_path):
+    """Two optimizer steps per generation batch (4 micro-batches, GA 2), a checkpoint after each step: resumed from
+    the one inside the first batch, the run trains that batch's last two micro-batches as saved, then generates the
+    next batch where the uninterrupted run did (sampled generation: the checkpoint's RNG state reproduces it)."""
+    settings = dict(
+        reward=first_token_parity,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=1,
+    )
+    straight = make_trainer(tiny_model, tmp_path / "straight", **settings)
+    straight.train()
+    saved = [
+        step
+        for step in range(1, 5)
+        if (tmp_path / "straight" / f"checkpoint-{step}" / "dapo_generation_batch_0.pt").exists()
+    ]
+    assert saved == [1, 3] and GENERATION_BATCH_FILE.format(rank=0) == "dapo_generation_batch_0.pt"
+
+    resumed = make_trainer(tiny_model, tmp_path / "resumed", **settings)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-1"))
+    losses = [[h["loss"] for h in trainer.state.log_history if "loss" in h] for trainer in (straight, resumed)]
+    assert len(losses[0]) == 4 and losses[1] == losses[0]  # step 1 from the checkpoint's log, then 2, 3 and 4
+    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda path: path.write_bytes(path.read_bytes()[: path.stat().st_size // 2]),
+        lambda path: torch.save({"buffer": datetime.date(2026, 1, 1)}, path),  # not plain tensors and values
+    ],
+    ids=["truncated", "foreign"],
+)
+def test_an_unreadable_checkpoint_file_is_named_with_the_ways_to_go_on(tiny_model, tmp_path, damage):
+    """torch's own error for these advises `weights_only=False`, which runs whatever the file holds: the error names
+    the file and the checkpoint, says it cannot be read and how to resume without it, and shows nothing of torch's."""
+    settings = dict(
+        scripted=True, gradient_accumulation_steps=2, steps_per_generation=4, max_steps=1, save_strategy="steps"
+    )
+    make_trainer(tiny_model, tmp_path / "saved", save_steps=1, **settings).train()
+    checkpoint = tmp_path / "saved" / "checkpoint-1"
+    for name, way_on in [
+        (SAMPLING_STATE_FILE, "Resume from an earlier checkpoint of this run, or start a new run from this"),
+        ("dapo_generation_batch_0.pt", "Delete it to resume with a new generation batch drawn at this step"),
+    ]:
+        original = (checkpoint / name).read_bytes()
+        damage(checkpoint / name)
+        resumed = make_trainer(tiny_model, tmp_path / "resumed", **{**settings, "max_steps": 2})
+        with pytest.raises(RuntimeError) as error:
+            resumed.train(resume_from_checkpoint=str(checkpoint))
+        message = str(error.value)
+        assert message.startswith(f"{name} of resume_from_checkpoint={str(checkpoint)!r} cannot be read (")
+        assert way_on in message and "weights_only" not in message and error.value.__suppress_context__
+        (checkpoint / name).write_bytes(original)
 
 
 def test_resuming_a_checkpoint_without_the_sampling_state_is_refused_with_dynamic_sampling(tiny_model, tmp_path):

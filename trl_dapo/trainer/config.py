@@ -9,6 +9,7 @@ from transformers import TrainingArguments
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 from trl import GRPOConfig
 
+from .field_rules import check_field_rules, invalid_value
 from .grpo_fields import unhonoured_settings
 from .mismatch import CORRECTION_MODES
 
@@ -18,10 +19,6 @@ OLD_LOGPROBS_CHOICES = ("rollout", "recompute")
 SAMPLING_MODES = ("rounds", "stream")
 IN_FLIGHT_CHOICES = ("finish", "drop", "carry")
 DEFAULT_CORRECTION_MAX = 2.0
-
-
-def _bad(name: str, value: object, fix: str) -> ValueError:
-    return ValueError(f"DAPOConfig.{name}={value!r} is invalid: {fix}")
 
 
 def _joined(counts: list[int]) -> str:
@@ -184,7 +181,9 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         padding_free_max_tokens (`int` or `None`, *optional*, defaults to `None`):
             Most tokens (prompt and completion) in one padding-free pass on one device, like verl's
             `ppo_max_token_len_per_gpu`: a micro-batch with more runs as several forward/backward passes, and a row
-            longer than the cap trains alone. `None`: one pass per micro-batch (its share of the step's tokens).
+            longer than the cap trains alone. `None`: one pass per micro-batch (its share of the step's tokens). With
+            `padding_free=False` a cap is an error; where the passes fall back to padded it does not apply, and a
+            warning says so once.
     """
 
     bf16: bool | None = field(
@@ -288,6 +287,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     )
 
     def __post_init__(self) -> None:
+        check_field_rules(self)  # types and ranges first: every later check, TRL's included, compares values
         self._reject_unhonoured_fields()
         self._validate_dapo_fields()
         if self.bf16 is None and not self.fp16:
@@ -296,7 +296,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             self.bf16 = self.use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available()
         super().__post_init__()
         if self.steps_per_generation % self.gradient_accumulation_steps != 0:
-            raise _bad(
+            raise invalid_value(
                 "steps_per_generation",
                 self.steps_per_generation,
                 f"it must be a multiple of gradient_accumulation_steps ({self.gradient_accumulation_steps}) so every "
@@ -306,8 +306,8 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             self.max_surplus_age = self.steps_per_generation // self.gradient_accumulation_steps * self.num_iterations
         if self.overlong_buffer_len is None:
             self.overlong_buffer_len = self.max_completion_length // 5
-        if self.overlong_buffer_len < 0 or self.overlong_buffer_len >= self.max_completion_length:
-            raise _bad(
+        if self.overlong_buffer_len >= self.max_completion_length:
+            raise invalid_value(
                 "overlong_buffer_len",
                 self.overlong_buffer_len,
                 f"use 0 (off) or a value below max_completion_length ({self.max_completion_length}).",
@@ -316,7 +316,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     def _reject_unhonoured_fields(self) -> None:
         """A GRPOConfig field DAPOTrainer does not honour, set away from its default, would be silently ignored."""
         for name, value, default, reason in unhonoured_settings(self):
-            raise _bad(name, value, f"{reason}; leave it at its default {default!r}.")
+            raise invalid_value(name, value, f"{reason}; leave it at its default {default!r}.")
 
     def _check_whole_groups(self) -> None:
         """Each generation batch (and each evaluation batch) must hold whole groups of `num_generations`: say which
@@ -325,7 +325,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         step_rows = self.per_device_train_batch_size * world
         if self.generation_batch_size is not None and self.steps_per_generation is None:
             if self.generation_batch_size % groups:
-                raise _bad(
+                raise invalid_value(
                     "generation_batch_size",
                     self.generation_batch_size,
                     f"use a multiple of num_generations ({groups}).",
@@ -336,7 +336,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             if step_rows * steps % groups:
                 rows_multiple = groups // math.gcd(groups, world * steps)
                 steps_multiple = math.lcm(self.gradient_accumulation_steps, groups // math.gcd(groups, step_rows))
-                raise _bad(
+                raise invalid_value(
                     "per_device_train_batch_size",
                     self.per_device_train_batch_size,
                     f"a generation batch holds per_device_train_batch_size ({self.per_device_train_batch_size}) x "
@@ -348,7 +348,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         eval_groups = self.num_generations_eval or groups
         eval_rows = self.per_device_eval_batch_size * world
         if self.do_eval and self.eval_strategy != "no" and eval_rows % eval_groups:
-            raise _bad(
+            raise invalid_value(
                 "per_device_eval_batch_size",
                 self.per_device_eval_batch_size,
                 f"an evaluation batch holds per_device_eval_batch_size x processes ({world}) = {eval_rows} "
@@ -366,14 +366,18 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         fixes = [
             f"generation_batch_size to a multiple of {math.lcm(per_step * world, self.num_generations)}",
         ]
-        if rows % (world * self.gradient_accumulation_steps) == 0:
-            fixes.append(
-                f"per_device_train_batch_size to a divisor of {rows // (world * self.gradient_accumulation_steps)}"
-            )
+        split = world * self.gradient_accumulation_steps
+        if rows % split == 0:
+            fixes.append(f"per_device_train_batch_size to a divisor of {rows // split}")
+        elif rows >= math.lcm(
+            split, self.num_generations
+        ):  # no micro-batch size splits it: the nearest batch that does
+            near = rows // math.lcm(split, self.num_generations) * math.lcm(split, self.num_generations)
+            fixes.append(f"generation_batch_size={near} with per_device_train_batch_size a divisor of {near // split}")
         steps_per_process = rows // per_step if rows % per_step == 0 else 0
         counts = [count for count in range(1, steps_per_process + 1) if steps_per_process % count == 0]
         runs_on = f"; unchanged, these settings run on {_joined(counts)} processes" if counts else ""
-        raise _bad(
+        raise invalid_value(
             "generation_batch_size",
             rows,
             f"its {rows} completions must split into whole optimizer steps of per_device_train_batch_size "
@@ -384,40 +388,26 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
 
     def _validate_dapo_fields(self) -> None:
         """Reject settings that would silently stop this from being DAPO, naming the field and the fix."""
-        if self.epsilon < 0 or self.epsilon >= 1:
-            raise _bad("epsilon", self.epsilon, "use a value in [0, 1), e.g. 0.2.")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
-        if self.epsilon_high < 0:
-            raise _bad("epsilon_high", self.epsilon_high, "use a non-negative value, e.g. 0.28.")
         if self.epsilon_high < self.epsilon:
-            raise _bad(
+            raise invalid_value(
                 "epsilon_high",
                 self.epsilon_high,
                 f"Clip-Higher needs epsilon_high >= epsilon ({self.epsilon}); DAPO uses 0.28 with 0.2.",
             )
-        if self.max_completion_length is None or self.max_completion_length < 1:
-            raise _bad(
-                "max_completion_length", self.max_completion_length, "use a positive number of tokens, e.g. 1024."
-            )
-        if self.num_generations is None or self.num_generations < 2:
-            raise _bad("num_generations", self.num_generations, "group advantages need at least 2 samples per prompt.")
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
-            raise _bad("clip_ratio_c", self.clip_ratio_c, "the dual-clip bound must exceed 1 (DAPO: 10.0) or be None.")
-        if self.max_num_gen_batches < 0:
-            raise _bad("max_num_gen_batches", self.max_num_gen_batches, "use 0 (unlimited) or a positive count.")
         if self.dynamic_sampling_on_limit not in ON_LIMIT_CHOICES:
-            raise _bad("dynamic_sampling_on_limit", self.dynamic_sampling_on_limit, f"use one of {ON_LIMIT_CHOICES}.")
-        if self.max_surplus_age is not None and self.max_surplus_age < 0:
-            raise _bad("max_surplus_age", self.max_surplus_age, "use 0 or a positive number of optimizer steps.")
+            raise invalid_value(
+                "dynamic_sampling_on_limit", self.dynamic_sampling_on_limit, f"use one of {ON_LIMIT_CHOICES}."
+            )
         if self.dynamic_sampling and self.scale_rewards not in ("group", "none", True, False):
-            raise _bad(
+            raise invalid_value(
                 "scale_rewards",
                 self.scale_rewards,
                 "with dynamic sampling the advantage of a kept group must not depend on dropped groups; use 'group'.",
             )
         if self.dynamic_sampling and self.multi_objective_aggregation != "sum_then_normalize":
-            raise _bad(
+            raise invalid_value(
                 "multi_objective_aggregation",
                 self.multi_objective_aggregation,
                 "it whitens the summed rewards over the whole candidate round, groups that dynamic sampling drops "
@@ -425,57 +415,42 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 "reference recipe's) or dynamic_sampling=False.",
             )
         self.dynamic_sampling_oversample = self._parse_oversample(self.dynamic_sampling_oversample)
-        if self.dynamic_sampling_max_oversample < 1.0:
-            raise _bad("dynamic_sampling_max_oversample", self.dynamic_sampling_max_oversample, "use a value >= 1.")
         if self.rollout_engine not in ROLLOUT_ENGINES:
-            raise _bad("rollout_engine", self.rollout_engine, f"use one of {ROLLOUT_ENGINES}.")
+            raise invalid_value("rollout_engine", self.rollout_engine, f"use one of {ROLLOUT_ENGINES}.")
         self._validate_sampling_mode()
-        if not 0 < self.rollout_memory_fraction <= 1:
-            raise _bad("rollout_memory_fraction", self.rollout_memory_fraction, "use a share in (0, 1], e.g. 0.85.")
-        if self.rollout_max_rows < 1:
-            raise _bad("rollout_max_rows", self.rollout_max_rows, "use a positive number of rows, e.g. 1024.")
-        if self.overlong_penalty_factor < 0:
-            raise _bad(
-                "overlong_penalty_factor", self.overlong_penalty_factor, "use a non-negative value (DAPO: 1.0)."
-            )
         self._validate_old_policy()
-        if self.padding_free_max_tokens is not None:
-            if self.padding_free is False:
-                raise _bad(
-                    "padding_free_max_tokens",
-                    self.padding_free_max_tokens,
-                    "it caps padding-free passes: set padding_free=True (or None) or leave it None.",
-                )
-            if self.padding_free_max_tokens < 1:
-                raise _bad("padding_free_max_tokens", self.padding_free_max_tokens, "use a positive token count.")
+        if self.padding_free_max_tokens is not None and self.padding_free is False:
+            raise invalid_value(
+                "padding_free_max_tokens",
+                self.padding_free_max_tokens,
+                "it caps padding-free passes: set padding_free=True (or None) or leave it None.",
+            )
 
     def _validate_sampling_mode(self) -> None:
         """Stream mode and its settings; a stream setting without stream mode would be ignored."""
         if self.dynamic_sampling_mode not in SAMPLING_MODES:
-            raise _bad("dynamic_sampling_mode", self.dynamic_sampling_mode, f"use one of {SAMPLING_MODES}.")
+            raise invalid_value("dynamic_sampling_mode", self.dynamic_sampling_mode, f"use one of {SAMPLING_MODES}.")
         if self.dynamic_sampling_in_flight not in IN_FLIGHT_CHOICES:
-            raise _bad(
+            raise invalid_value(
                 "dynamic_sampling_in_flight", self.dynamic_sampling_in_flight, f"use one of {IN_FLIGHT_CHOICES}."
             )
-        if self.dynamic_sampling_stream_sync_every < 1:
-            raise _bad("dynamic_sampling_stream_sync_every", self.dynamic_sampling_stream_sync_every, "use 1 or more.")
         if self.dynamic_sampling_mode == "rounds":
             for name, default in (("dynamic_sampling_in_flight", "finish"), ("dynamic_sampling_stream_sync_every", 1)):
                 if getattr(self, name) != default:
-                    raise _bad(
+                    raise invalid_value(
                         name,
                         getattr(self, name),
                         "it acts in stream mode only: set dynamic_sampling_mode='stream' or leave it at its default.",
                     )
             return
         if not self.dynamic_sampling:
-            raise _bad(
+            raise invalid_value(
                 "dynamic_sampling_mode",
                 "stream",
                 "streaming is a way of doing dynamic sampling: set dynamic_sampling=True or use 'rounds'.",
             )
         if self.dynamic_sampling_oversample != "1.0":
-            raise _bad(
+            raise invalid_value(
                 "dynamic_sampling_oversample",
                 self.dynamic_sampling_oversample,
                 "it sizes candidate rounds, which stream mode does not have (it admits groups from the running "
@@ -483,7 +458,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             )
         if self.rollout_engine == "trl" or self.use_vllm:
             engine = "use_vllm=True" if self.use_vllm else f"rollout_engine={self.rollout_engine!r}"
-            raise _bad(
+            raise invalid_value(
                 "dynamic_sampling_mode",
                 "stream",
                 f"streaming refills the decode slots of trl-dapo's paged engine, which {engine} does not use: set "
@@ -493,11 +468,11 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     def _validate_old_policy(self) -> None:
         """The old-policy choice and its rollout correction; a threshold without a correction would be ignored."""
         if self.old_logprobs not in OLD_LOGPROBS_CHOICES:
-            raise _bad("old_logprobs", self.old_logprobs, f"use one of {OLD_LOGPROBS_CHOICES}.")
+            raise invalid_value("old_logprobs", self.old_logprobs, f"use one of {OLD_LOGPROBS_CHOICES}.")
         if self.rollout_correction is None:
             if self.rollout_correction_max != DEFAULT_CORRECTION_MAX or self.rollout_correction_min is not None:
                 name = "rollout_correction_max" if self.rollout_correction_min is None else "rollout_correction_min"
-                raise _bad(
+                raise invalid_value(
                     name,
                     getattr(self, name),
                     "it only acts with a rollout_correction: set one (e.g. 'token_truncate') or leave it at its "
@@ -505,38 +480,28 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 )
             return
         if self.rollout_correction not in CORRECTION_MODES:
-            raise _bad("rollout_correction", self.rollout_correction, f"use one of {CORRECTION_MODES} or None.")
+            raise invalid_value(
+                "rollout_correction", self.rollout_correction, f"use one of {CORRECTION_MODES} or None."
+            )
         if self.old_logprobs != "recompute":
-            raise _bad(
+            raise invalid_value(
                 "rollout_correction",
                 self.rollout_correction,
                 "it weighs tokens by π_old / π_rollout, which needs a recomputed old policy: set "
                 "old_logprobs='recompute' (with the rollout logprobs as the old policy every weight would be 1).",
             )
-        if not self.rollout_correction_max >= 1.0:
-            raise _bad(
-                "rollout_correction_max",
-                self.rollout_correction_max,
-                "the cap or the band's upper end must be at least 1 (a token both engines agree on has weight 1); "
-                "verl's default cap is 2.0, IcePop's band ends at 5.0.",
-            )
-        if self.rollout_correction_min is not None and not 0.0 <= self.rollout_correction_min <= 1.0:
-            raise _bad(
-                "rollout_correction_min",
-                self.rollout_correction_min,
-                "use a value in [0, 1] (IcePop: 0.5), or None: no lower cap when truncating, 1 / "
-                "rollout_correction_max when masking.",
-            )
 
     @staticmethod
     def _parse_oversample(value: str | float) -> str:
-        """Keep the field a string for argument parsers, but check it names 'auto' or a number >= 1."""
+        """Keep the field a string for argument parsers, but check it names 'auto' or a finite number >= 1."""
         if str(value).strip().lower() == "auto":
             return "auto"
         try:
             number = float(value)
-        except ValueError:
-            raise _bad("dynamic_sampling_oversample", value, "use 'auto' or a number >= 1, e.g. '1.0'.") from None
-        if number < 1.0:
-            raise _bad("dynamic_sampling_oversample", value, "use 'auto' or a number >= 1, e.g. '1.0'.")
+        except (TypeError, ValueError):
+            number = math.nan
+        if not 1.0 <= number < math.inf:
+            raise invalid_value(
+                "dynamic_sampling_oversample", value, "use 'auto' or a finite number >= 1, e.g. '1.0'."
+            )
         return str(number)

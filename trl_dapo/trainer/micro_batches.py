@@ -136,3 +136,28 @@ def _split_evenly(items: list, parts: int) -> list[list]:
     small, extra = divmod(len(items), parts)
     bounds = [index * small + min(index, extra) for index in range(parts + 1)]
     return [items[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def micro_batch_states(micro_batches: list[MicroBatch]) -> list[dict]:
+    """What a checkpoint keeps of buffered micro-batches: tensors, flags and counts, loadable with `weights_only=True`.
+    Their step metrics are left out: a checkpoint is saved between optimizer steps, when every step's are flushed."""
+    return [
+        dict(
+            passes=mb.passes,
+            empty=mb.empty,
+            step_tokens=mb.step_tokens,
+            step_passes=mb.step_passes,
+            ends_step=mb.ends_step,
+        )
+        for mb in micro_batches
+    ]
+
+
+def micro_batches_from_states(states: list[dict]) -> list[MicroBatch]:
+    """`micro_batch_states`' micro-batches again, those of one optimizer step sharing one (empty) step metrics."""
+    out, metrics = [], StepMetrics()
+    for state in states:
+        out.append(MicroBatch(**state, metrics=metrics))
+        if state["ends_step"]:
+            metrics = StepMetrics()
+    return out

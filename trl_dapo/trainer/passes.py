@@ -47,10 +47,14 @@ def set_up_padding_free(view: TRLView) -> bool:
         reason = "padding_free=None packs where flash attention runs (CUDA with bf16 or fp16)"
     if reason is None and args.padding_free is not False:
         return True
-    if args.padding_free is not False:
-        cap = " (padding_free_max_tokens does not apply)" if args.padding_free_max_tokens else ""
-        level = logging.INFO if args.padding_free is None and not cap else logging.WARNING
-        logger.log(level, "Training passes are padded%s: %s.", cap, reason)
+    if args.padding_free is not False and accelerator.is_main_process:
+        cap = args.padding_free_max_tokens
+        unused = (
+            f" DAPOConfig.padding_free_max_tokens={cap} does not apply: it caps padding-free passes." if cap else ""
+        )
+        # on a GPU padded passes take several times as long at DAPO's lengths (README, Speed): a warning there
+        expected = args.padding_free is None and accelerator.device.type != "cuda" and not cap
+        logger.log(logging.INFO if expected else logging.WARNING, "Training passes are padded: %s.%s", reason, unused)
     return False
 
 

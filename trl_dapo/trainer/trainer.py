@@ -12,7 +12,8 @@ token-mean, dynamic sampling and padding-free training. It keeps TRL's hooks and
 - `train`, `evaluation_loop`: padding-free, the model's attention goes through the packed dispatcher while they run
   and is set back after (the model is the caller's).
 - `log`: `dapo/skipped_steps` as the count it is. `_save_checkpoint` / `_load_optimizer_and_scheduler`: the
-  buffer's surplus, the prompt stream's position and the skipped-step count.
+  buffer's surplus, the prompt stream's position and the skipped-step count; inside a generation batch, each rank's
+  micro-batches still to train (`checkpoint_files.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..sampling import (
     make_prompt_stream,
 )
 from .batch_metrics import append_metrics, rollout_metrics, trained_batch_metric_names, trained_batch_metrics
+from .checkpoint_files import load_checkpoint_file, load_generation_batch, save_generation_batch
 from .config import DAPOConfig
 from .engine_choice import EngineWeights, select_rollout_engine, token_sampling
 from .micro_batches import MicroBatch
@@ -190,8 +192,7 @@ class DAPOTrainer(GRPOTrainer):
     def _prepare_inputs(self, generation_batch: Any) -> MicroBatch | dict[str, torch.Tensor | Any]:
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)  # TRL's evaluation batch, scored as one pass
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
+        if self._step % self._generate_every() == 0 or self._buffered_inputs is None:
             self._buffered_inputs = self.passes.micro_batches(self._collect_generation_batch(generation_batch))
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
@@ -204,6 +205,10 @@ class DAPOTrainer(GRPOTrainer):
         """Log the training metrics added since the last log, if any: at the end of training no later log comes."""
         if self._metrics["train"]:
             self.log({})
+
+    def _generate_every(self) -> int:
+        """Micro-steps (`training_step` calls) from one generation batch to the next."""
+        return self.args.steps_per_generation * self.num_iterations
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """`dapo/skipped_steps` is a running count: logged as it stands, not averaged like TRL's per-step metrics."""
@@ -234,10 +239,10 @@ class DAPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if position := self._step % self._generate_every():  # inside a generation batch
+            save_generation_batch(folder, self.accelerator, position, self._buffered_inputs)
         if self.args.should_save:
-            folder = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
             state = {
                 "buffer": self.sampling_buffer.state_dict(),
                 "prompt_stream": self.prompt_stream.state_dict() if self.prompt_stream is not None else None,
@@ -257,8 +262,18 @@ class DAPOTrainer(GRPOTrainer):
             )
         super()._load_optimizer_and_scheduler(checkpoint)
         if path and os.path.exists(path):
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_checkpoint_file(
+                path,
+                checkpoint,
+                "Resume from an earlier checkpoint of this run, or start a new run from this checkpoint's weights "
+                "(model=<the checkpoint folder>); with dynamic_sampling=False, delete the file and resume (it holds "
+                "the dynamic-sampling surplus, the extra-prompt stream's position and dapo/skipped_steps).",
+            )
             self.sampling_buffer.load_state_dict(state["buffer"], self.accelerator.device)
             if self.prompt_stream is not None and state["prompt_stream"] is not None:
                 self.prompt_stream.load_state_dict(state["prompt_stream"])
             self.passes.skipped_steps = state["skipped_steps"]
+        inside_batch = self.state.global_step * self.args.gradient_accumulation_steps % self._generate_every() != 0
+        saved = load_generation_batch(checkpoint, self.accelerator, inside_batch) if checkpoint else None
+        if saved is not None:  # train the rest of the saved generation batch before the next is generated
+            self._buffered_inputs, self._step = saved
