@@ -4,18 +4,23 @@ with the old policy recomputed; training MFU and decode bandwidth use against th
     python3 -m benchmarks.bench_step                       # CUDA: Qwen2.5-0.5B and 1.5B architectures, random init
     python3 -m benchmarks.bench_step --variable-lengths    # CUDA: 0.5B, 2,048-token vocabulary, up to 4,096 tokens
     python3 -m benchmarks.bench_step --tiny                # CPU smoke run on the tiny local model
+    python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_stream_carry   # the generation tail
 
 Both trainers get the same random-init model, prompts, batch geometry and seed. By default generation lengths are
 pinned with `min_new_tokens = max_completion_length`, so both sides decode the same number of tokens. With
 `--variable-lengths` nothing is pinned and the vocabulary has 2,048 tokens, so lengths are geometric with mean about
 2,000 up to the maximum (4,096): TRL's `generate` decodes every row until the longest ends, DAPO's engine what it
-decodes. Tokens/s is the sum of completion lengths over generation time. Prints a table last and writes everything
-to `benchmarks/results/<name>.json` after every trainer.
+decodes. Tokens/s is the tokens generated over generation time (the completions' lengths, or where trl-dapo's engine
+generated, its own count). Where the engine generated, a second table gives its calls per step: decode steps, the
+tail's share of them (steps with under a quarter of the engine's `--max-rows` slots busy), and the rows carried
+across steps by partial rollouts (left in flight at the end of a step, resumed with their prompt and tokens prefilled
+again). Prints the tables last and writes everything to `benchmarks/results/<name>.json` after every trainer.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -32,18 +37,40 @@ from benchmarks.workload import (
     random_model,
     word_tokenizer,
 )
+from trl_dapo import DAPOConfig
 
 # The trainers a comparison runs, with their DAPOConfig overrides. On CUDA, DAPO generates with its engine; the same
 # DAPO trainer on TRL's generation path does exactly TRL's generation work, so its rest of the step against TRL's is
 # the cost of DAPO's loss and bookkeeping alone (on CPU DAPO already takes TRL's path).
 # `dapo` trains padding-free (on CUDA its default; on the CPU the per-row reference attention), `dapo_padded` with
 # padded passes (`padding_free=False`), rows split evenly by count.
+# Partial rollouts (rows unfinished at the end of a step carried into the next, continued under the new weights):
+# `dapo_stream_carry` is stream mode's `dynamic_sampling_in_flight="carry"` (every group qualifies under the parity
+# reward, so it trains what `dapo` trains); `dapo_partial` the default rounds mode's, whose config fields are still to
+# come (asking for it before they exist is refused, naming them). Both on the paged engine (the CPU included).
 COMPARISON_KINDS = {
     "trl": {},
     "dapo": {"padding_free": True},
     "dapo_padded": {"padding_free": False},
     "dapo_trl_generation": {"rollout_engine": "trl"},
+    "dapo_partial": {"padding_free": True, "rollout_engine": "paged", "partial_rollouts": True},
+    "dapo_stream_carry": {
+        "padding_free": True,
+        "rollout_engine": "paged",
+        "dynamic_sampling": True,
+        "dynamic_sampling_mode": "stream",
+        "dynamic_sampling_in_flight": "carry",
+        "max_num_gen_batches": 0,
+    },
 }
+CARRYING_KINDS = ("dapo_partial", "dapo_stream_carry")
+
+
+def missing_config_fields(kinds: list[str]) -> dict[str, list[str]]:
+    """The kinds whose settings name DAPOConfig fields this version does not have, with those fields."""
+    known = {field.name for field in dataclasses.fields(DAPOConfig)}
+    missing = {kind: [name for name in COMPARISON_KINDS[kind] if name not in known] for kind in kinds}
+    return {kind: names for kind, names in missing.items() if names}
 
 
 def per_kind(values: list[str], default: int) -> dict[str, int]:
@@ -58,11 +85,23 @@ def per_kind(values: list[str], default: int) -> dict[str, int]:
 
 
 def step_comparison(
-    config, tokenizer, setup, kinds, warmup, steps, out: dict, save, profile_prefix: str | None = None, lora: int = 0
+    config,
+    tokenizer,
+    setup,
+    kinds,
+    warmup,
+    steps,
+    out: dict,
+    save,
+    profile_prefix: str | None = None,
+    lora: int = 0,
+    dapo_settings: dict | None = None,
+    carry_settings: dict | None = None,
 ) -> None:
     """Run the trainers `kinds` names, in that order, on the same model, prompts and batch (a LoRA adapter of rank
-    `lora` on every linear layer when set); each one's result goes into `out`, saved at once (a run cut short in a
-    slow trainer keeps the ones before)."""
+    `lora` on every linear layer when set; `dapo_settings`: DAPOConfig fields every DAPO trainer gets, and
+    `carry_settings` those carrying rows across steps); each one's result goes into `out`, saved at once (a run cut
+    short in a slow trainer keeps the ones before)."""
     from peft import LoraConfig
 
     dataset = prompts(4 * setup["rows_per_step"], vocab_size=len(tokenizer), words=setup["prompt_words"])
@@ -71,9 +110,12 @@ def step_comparison(
         model = random_model(config, setup["device"], setup["dtype"])
         profile = Path(f"{profile_prefix}_{kind}.txt") if profile_prefix else None
         trainer = "trl" if kind == "trl" else "dapo"
+        settings = {} if kind == "trl" else {**(dapo_settings or {}), **COMPARISON_KINDS[kind]}
+        if kind in CARRYING_KINDS:
+            settings.update(carry_settings or {})
         out[kind] = run_trainer(
             trainer, model, tokenizer, dataset, setup, warmup[kind], steps[kind], profile=profile,
-            peft_config=peft_config, **COMPARISON_KINDS[kind],
+            peft_config=peft_config, **settings,
         )  # fmt: skip
         del model
         save()
@@ -89,6 +131,9 @@ def step_comparison(
         out["ratio_padding_free"] = {
             key: out["dapo"][key] / out["dapo_padded"][key] for key in keys if out["dapo_padded"][key]
         }
+    for kind in [kind for kind in CARRYING_KINDS if {kind, "dapo"} <= set(out)]:  # partial rollouts against none
+        keys = ("step_s", "generation_s", "train_s", "train_median_s")
+        out[f"ratio_{kind}"] = {key: out[kind][key] / out["dapo"][key] for key in keys if out["dapo"][key]}
 
 
 def engine_variants(config, tokenizer, setup, warmup: int, steps: int) -> dict:
@@ -134,6 +179,33 @@ def limits(config, setup, comparison, ceilings) -> dict:
         "decode_bytes_per_step_gb": bytes_per_step / 1e9,
         "decode_bandwidth_use": bytes_per_step / step_s / (ceilings["copy_tb_per_s"] * 1e12),
     }
+
+
+def tail_table(results: dict) -> str:
+    """Where trl-dapo's engine generated: its calls per measured step, and partial rollouts against none."""
+    lines = [
+        "| model | trainer | step s | generation s | train s | decode steps | tail share | slots busy | "
+        "generated tok | left in flight: rows / tok | resumed: rows / prefill tok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, comparison in results["models"].items():
+        for kind in [kind for kind in COMPARISON_KINDS if comparison.get(kind, {}).get("engine")]:
+            r, e = comparison[kind], comparison[kind]["engine"]
+            lines.append(
+                f"| {name} | {kind} | {r['step_s']:.3f} | {r['generation_s']:.3f} | {r['train_s']:.3f} | "
+                f"{e['decode_steps_per_step']:.0f} | {e['tail_share']:.1%} | {e['slot_occupancy']:.1%} | "
+                f"{e['generated_tokens_per_step']:.0f} | {e['unfinished_rows_per_step']:.1f} / "
+                f"{e['unfinished_tokens_per_step']:.0f} | {e['resumed_rows_per_step']:.1f} / "
+                f"{e['resumed_prefill_tokens_per_step']:.0f} |"
+            )
+        for kind in CARRYING_KINDS:
+            ratio = comparison.get(f"ratio_{kind}")
+            if ratio:
+                lines.append(
+                    f"| {name} | {kind}/dapo | {ratio['step_s']:.3f} | {ratio.get('generation_s', float('nan')):.3f} "
+                    f"| {ratio['train_s']:.3f} | | | | | | |"
+                )
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def table(results: dict) -> str:
@@ -228,6 +300,17 @@ def main() -> None:
         "--profile", action="store_true",
         help="comparison section: profile the first measured step of each trainer (text reports beside the JSON)",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-rows", type=int, default=None,
+        help="the paged engine's decode slots (rollout_max_rows) for every DAPO trainer, and the slots the tail share "
+        "counts against (default: the completions per step, so a round fills them; partial rollouts keep them full)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-surplus-age", type=int, default=8,
+        help="the kinds carrying rows across steps: optimizer steps a carried group may age before it is dropped "
+        "(unlike DAPOConfig's default of one generation batch, long enough that none is at 1.5B, 8,192 tokens and "
+        "128 slots, where groups carry over up to about five steps)",
+    )  # fmt: skip
     args = parser.parse_args()
     variable = args.variable_lengths
     sections = args.sections or (["comparison"] if variable else ["comparison", "variants"])
@@ -236,28 +319,48 @@ def main() -> None:
     warmup = per_kind(args.warmup or [], default=1)
     steps = per_kind(args.steps or [], default=1 if variable else 3)
 
+    default_kinds = [k for k in COMPARISON_KINDS if k not in CARRYING_KINDS]
+    kinds = args.kinds or (["dapo", "dapo_padded", "trl"] if variable else default_kinds)
+    missing = missing_config_fields(kinds)
+    if missing:  # before any model is built
+        raise SystemExit(
+            "--kinds: "
+            + "; ".join(
+                f"{kind} sets DAPOConfig fields this version does not have: {names}" for kind, names in missing.items()
+            )
+            + ". Partial rollouts in rounds mode come with those fields; run the other kinds (dapo_stream_carry "
+            "carries rows in stream mode)."
+        )
+
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    if device != "cuda" and not args.kinds:
+        kinds = [kind for kind in kinds if kind != "dapo_trl_generation"]  # on the CPU DAPO takes TRL's path anyway
     setup = batch_setup(args, device, pin_lengths=not variable, gradient_checkpointing=checkpointing)
+    dapo_settings = {"rollout_max_rows": args.max_rows or setup["rows_per_step"]}
+    carry_settings = {"max_surplus_age": args.max_surplus_age}
     default_models = ["qwen2.5-0.5b-v2048"] if variable else ["qwen2.5-0.5b", "qwen2.5-1.5b"]
     configs = {name: config_path(name) for name in (["tiny"] if args.tiny else args.models or default_models)}
     output = ResultFile(args.output or default_output("bench_step", args.tiny, device), device, setup)
-    output.data["setup"].update(warmup=str(warmup), steps=str(steps))
+    output.data["setup"].update(
+        warmup=str(warmup), steps=str(steps), **{k: str(v) for k, v in {**dapo_settings, **carry_settings}.items()}
+    )
     results = output.data
     results["ceilings"] = ceilings = hardware_ceilings(device)
     results["models"], results["limits"] = {}, {}
 
     def save() -> None:  # after every trainer and section, so a run stopped early keeps what it measured
         output.save()
-        print(table(results), flush=True)
+        print("\n\n".join(filter(None, (table(results), tail_table(results)))), flush=True)
 
     if "comparison" in sections:
         for name, config in configs.items():
             tokenizer = word_tokenizer(AutoConfig.from_pretrained(config).vocab_size)
             prefix = str(output.path.parent / f"profile_{name}") if args.profile else None
-            cuda_kinds = [k for k in COMPARISON_KINDS if device == "cuda" or k != "dapo_trl_generation"]
-            kinds = args.kinds or (["dapo", "dapo_padded", "trl"] if variable else cuda_kinds)
             comparison = results["models"][name] = {}
-            step_comparison(config, tokenizer, setup, kinds, warmup, steps, comparison, save, prefix, args.lora)
+            step_comparison(
+                config, tokenizer, setup, kinds, warmup, steps, comparison, save, prefix, args.lora,
+                dapo_settings, carry_settings,
+            )  # fmt: skip
             results["limits"][name] = limits(config, setup, comparison, ceilings)
             save()
     if "variants" in sections:

@@ -89,12 +89,14 @@ def time_methods(
     sections: dict[str, list[tuple[int, float]]],
     generated: list[tuple[int, int]],
     trained: list[tuple[int, int, int]] | None = None,
+    engine_calls: list[dict] | None = None,
 ) -> None:
     """Time the trainer's own methods by wrapping them (device-synchronised): generation, the no-grad logprob pass,
     generation + scoring + bookkeeping, and whole micro-batch training steps (which contain the former). Each call is
     recorded with the optimizer step it ran in; each generation call's completion tokens go to `generated`, and each
     training forward's `(step, real tokens, padded tokens)` (rows x width of the batch it was handed) to `trained`
-    when given."""
+    when given. With `engine_calls`, each call of the trainer's paged engine is recorded there too
+    (`record_engine_calls`); a stream generates outside the generation hook, so its time counts as generation."""
 
     def timed(name, function):
         def wrapper(*args, **kwargs):
@@ -124,6 +126,45 @@ def time_methods(
         (trainer, "training_step", "training_step"),
     ]:
         setattr(owner, method, timed(name, getattr(owner, method)))
+    engine = getattr(trainer, "rollout_engine", None)
+    if engine_calls is not None and engine is not None:
+        record_engine_calls(
+            engine, lambda: trainer.state.global_step, engine_calls, sections.setdefault("generation", [])
+        )
+
+
+def record_engine_calls(engine, step, calls: list[dict], stream_times: list[tuple[int, float]]) -> None:
+    """Record every call of a paged rollout engine in `calls`: the optimizer step it ran in (`step()`), its
+    device-synchronised wall time and its `RolloutStats`: a `generate`, or a stream from its opening to its `close`
+    (a stream's `(step, seconds)` also goes to `stream_times`). Wraps the engine's own methods."""
+    generate, stream = engine.generate, engine.stream
+
+    def timed_generate(*args, **kwargs):
+        synchronize()
+        start = time.perf_counter()
+        output = generate(*args, **kwargs)
+        synchronize()
+        calls.append({"step": step(), "seconds": time.perf_counter() - start, **output.stats.as_dict()})
+        return output
+
+    def timed_stream(*args, **kwargs):
+        synchronize()
+        start, opened_in = time.perf_counter(), step()
+        opened = stream(*args, **kwargs)
+        close = opened.close
+
+        def timed_close():
+            stats = close()
+            synchronize()
+            seconds = time.perf_counter() - start
+            calls.append({"step": opened_in, "seconds": seconds, **stats.as_dict()})
+            stream_times.append((opened_in, seconds))
+            return stats
+
+        opened.close = timed_close
+        return opened
+
+    engine.generate, engine.stream = timed_generate, timed_stream
 
 
 def timed_call(function, *args, **kwargs) -> tuple[object, float]:

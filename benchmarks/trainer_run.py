@@ -101,9 +101,10 @@ def run_trainer(
     sections: dict[str, list[tuple[int, float]]] = {}
     generated: list[tuple[int, int]] = []
     trained: list[tuple[int, int, int]] = []
+    engine_calls: list[dict] = []
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    time_methods(trainer, sections, generated, trained)
+    time_methods(trainer, sections, generated, trained, engine_calls)
     trainer.train()
     step_times = timer.times[measured.start : measured.stop]
     # each section's time in each measured step (a step may call a section several times, or not at all)
@@ -154,10 +155,43 @@ def run_trainer(
         # the engine class DAPO generated with (None: TRL's generation path)
         "rollout_engine": type(trainer.paged_engine).__name__ if getattr(trainer, "paged_engine", None) else None,
     }
-    result["generation_tokens_per_s"] = completion_tokens / (generation or float("nan"))
+    result["engine"] = engine_summary(engine_calls, measured)
+    # tokens generated per second of generation: the engine's count where it generated (with partial rollouts a
+    # step generates tokens of rows it trains later, and trains rows begun earlier), else the completions'
+    generated_tokens = result["engine"]["generated_tokens_per_step"] if result["engine"] else completion_tokens
+    result["generation_tokens_per_s"] = generated_tokens / (generation or float("nan"))
     result["training_tokens_per_s"] = completion_tokens / result["train_s"]
     result["training_real_tokens_per_s"] = real_tokens / result["train_s"]
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+def engine_summary(calls: list[dict], measured: range) -> dict | None:
+    """The paged engine's calls in the measured steps (`timing.record_engine_calls`), per step: their wall time,
+    decode steps and the tail's share of them, the tokens they generated (not those resumed rows brought in), the
+    rows they resumed with those rows' prefill, and the rows a stream left in flight (carried to the next step, or
+    dropped); None when the engine did not generate."""
+    calls = [call for call in calls if call["step"] in measured]
+    if not calls:
+        return None
+
+    def per_step(key: str) -> float:
+        return sum(call[key] for call in calls) / len(measured)
+
+    decode_steps, pool = per_step("decode_steps"), per_step("pool_slot_steps")
+    return {
+        "calls_per_step": len(calls) / len(measured),
+        "seconds_per_step": per_step("seconds"),
+        "decode_steps_per_step": decode_steps,
+        "tail_share": per_step("tail_decode_steps") / decode_steps if decode_steps else 0.0,
+        "slot_occupancy": per_step("busy_slot_steps") / pool if pool else 0.0,
+        "generated_tokens_per_step": per_step("generated_tokens") - per_step("resumed_tokens"),
+        "prefill_tokens_per_step": per_step("prefill_tokens"),
+        "resumed_rows_per_step": per_step("resumed_rows"),
+        "resumed_prefill_tokens_per_step": per_step("resumed_prefill_tokens"),
+        "unfinished_rows_per_step": per_step("unfinished_rows"),
+        "unfinished_tokens_per_step": per_step("unfinished_tokens"),
+        "calls": calls,
+    }

@@ -76,6 +76,43 @@ def test_bench_step_variable_lengths_counts_generated_tokens(tmp_path):
         )
 
 
+def test_bench_step_counts_the_rows_stream_mode_carries_from_one_step_into_the_next(tmp_path):
+    """`dapo_stream_carry` on the CPU (the paged engine, eager): 16 slots for batches of 4 groups of 2, so the stream
+    keeps more groups in flight than a batch needs and stops with rows unfinished; the next step's stream resumes
+    exactly their tokens (carried groups may age 8 steps: none is dropped), prefilling each resumed row's prompt
+    (every prompt is 27 tokens: 24 words in the chat template) and tokens again."""
+    _, results = run_tiny(
+        "bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo_stream_carry", "--prompts", "4",
+        "--generations", "2", "--ga", "1", "--new-tokens", "96", "--max-rows", "16", "--warmup", "0", "--steps", "2",
+    )  # fmt: skip
+    assert (results["setup"]["rollout_max_rows"], results["setup"]["max_surplus_age"]) == ("16", "8")
+    run = results["models"]["tiny"]["dapo_stream_carry"]
+    engine = run["engine"]
+    first, second = engine["calls"]  # one stream per step
+    assert (first["step"], second["step"]) == (0, 1) and first["resumed_rows"] == 0
+    assert first["unfinished_rows"] > 0 and second["resumed_tokens"] == first["unfinished_tokens"] > 0
+    assert 0 < second["resumed_rows"] <= first["unfinished_rows"]  # a row left waiting has no token to resume
+    assert second["resumed_prefill_tokens"] == second["resumed_tokens"] + 27 * second["resumed_rows"]
+    generated = [call["generated_tokens"] - call["resumed_tokens"] for call in (first, second)]
+    assert engine["generated_tokens_per_step"] == sum(generated) / 2
+    assert engine["unfinished_rows_per_step"] == (first["unfinished_rows"] + second["unfinished_rows"]) / 2
+    tail = (first["tail_decode_steps"] + second["tail_decode_steps"]) / (
+        first["decode_steps"] + second["decode_steps"]
+    )
+    assert engine["tail_share"] == tail and 0 <= tail <= 1
+    # the stream generates outside the generation hook: its time is the generation, its tokens the generated ones
+    assert run["generation_s"] >= engine["seconds_per_step"] > 0
+    assert math.isclose(run["generation_tokens_per_s"], engine["generated_tokens_per_step"] / run["generation_s"])
+
+
+def test_bench_step_refuses_a_kind_whose_config_fields_do_not_exist_yet(tmp_path):
+    output = tmp_path / "refused.json"
+    command = [sys.executable, "-m", "benchmarks.bench_step", "--tiny", "--kinds", "dapo", "dapo_partial"]
+    result = subprocess.run([*command, "--output", str(output)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode != 0 and not output.exists()  # refused before any trainer ran
+    assert "dapo_partial sets DAPOConfig fields this version does not have: ['partial_rollouts']" in result.stderr
+
+
 def test_bench_sampling_tiny_runs_each_mode(tmp_path):
     _, results = run_tiny(
         "bench_sampling", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",

@@ -1,7 +1,9 @@
 """The paged continuous-batching rollout engine on the CPU (eager, the same scheduler as on CUDA): greedy tokens equal
 `generate`'s, sampled logprobs equal a teacher-forced forward, sampling follows the tempered truncated distribution,
 preemption and refills change nothing, prompts are prefilled once per group, LoRA is merged, weights sync in place,
-every supported model type is served, and a set-up the engine cannot serve falls back to TRL's path, logging why."""
+a row cut and resumed by another call ends as it would have uncut, the call's tail and its resumed and unfinished rows
+are counted, every supported model type is served, and a set-up the engine cannot serve falls back to TRL's path,
+logging why."""
 
 import logging
 import math
@@ -346,6 +348,95 @@ def test_a_partial_rollout_resumes_under_new_weights_keeping_its_old_logprobs(ti
         new = teacher_forced_logprobs(model, prompt, completion)
         torch.testing.assert_close(logps[6:16], new[6:], atol=1e-4, rtol=1e-4)
         assert not torch.allclose(logps[:6], new[:6], atol=1e-2)  # the two policies differ on the old tokens
+
+
+def run_to_end(stream) -> None:
+    while not stream.idle:
+        stream.step()
+
+
+@pytest.mark.parametrize(
+    ("settings", "options"),
+    [(TokenSampling(16, greedy=True), {}), (TokenSampling(16, temperature=0.9), {"max_rows": 1})],
+    ids=["greedy-rows-in-other-slots", "sampled-one-slot"],
+)
+def test_a_row_cut_and_resumed_ends_as_it_would_have_uncut(model_and_tokenizer, settings, options):
+    """A stream stopped after its first synchronisation (each row 1 + 5 tokens in), its rows resumed by a new stream
+    under the same weights: every row ends with the tokens a call never cut gives it, the tokens sampled before the
+    cut keep their logprobs as they were, and the later logprobs are the uncut call's up to summation order (the
+    resumed row's KV is recomputed by a prefill, the uncut row's was written by decode steps).
+
+    Greedy rows continue exactly in any slot: here resumed in reverse order behind a fresh row. Sampled rows read
+    their Gumbel noise from one draw of the global generator per decode step for the whole slot bucket, each row its
+    slot's part, so a row's draws depend on its slot, the bucket and every other draw of the call: a resumed row
+    draws what it would have drawn uncut only when it is alone in one slot (`max_rows=1`, the case here: every
+    draw, the prefill's first token and each decode step's, is then exactly its own). Noise drawn per row from a
+    counter-based generator keyed by the row and its token index would make sampled rows exact in any slot."""
+    model, tokenizer = model_and_tokenizer
+    engine = engine_for(model, tokenizer, **options)
+    batch = prompts(tokenizer, 3) if settings.greedy else prompts(tokenizer, 1)
+    torch.manual_seed(0)
+    uncut = engine.generate(batch, settings)
+    torch.manual_seed(0)
+    first = engine.stream(batch, settings)
+    assert first.step() == []  # 1 token sampled by the prefill + 5 decode steps: every row is 6 tokens in
+    partial = list(zip(*first.outputs(list(range(len(batch)))), strict=True))
+    first.close()
+    assert all(len(tokens) == 6 and not torch.equal(logps, torch.zeros_like(logps)) for tokens, logps in partial)
+    order = list(reversed(range(len(batch)))) if settings.greedy else [0]
+    if settings.greedy:
+        second = engine.stream(prompts(tokenizer, 5)[4:], settings)  # a fresh row takes the first slot
+        rows = second.add([batch[i] for i in order], resumed=[partial[i] for i in order])
+    else:
+        second = engine.stream(batch, settings, resumed=partial)
+        rows = [0]
+    run_to_end(second)
+    completions, logprobs = second.outputs(rows)
+    for index, completion, logps in zip(order, completions, logprobs, strict=True):
+        assert completion == uncut.completions[index] and len(completion) == 16
+        assert torch.equal(logps[:6], partial[index][1][:6].to(logps))  # copied, not recomputed
+        torch.testing.assert_close(logps, uncut.logprobs[index], atol=1e-5, rtol=1e-5)
+
+
+def test_the_engine_counts_its_tail_and_the_rows_it_resumes_and_leaves_unfinished(model_and_tokenizer):
+    """Hand-derived counts. Tail: 8 slots, so a step with fewer than 2 busy rows is the tail; rows pinned to 8
+    tokens, 5 decode steps per synchronisation. 4 rows decode 5 steps (4 busy); 2 rows join (their first token from
+    the prefill) as the 4 need 2 more: busy [6, 6, 2, 2, 2], exactly a quarter, no tail; a 7th row joins as the 2
+    need 2 more: [3, 3, 1, 1, 1], 3 steps of the tail; then its last 2 steps alone, 2 more.
+    Resumed and unfinished rows: 2 slots, 3 rows pinned to 16 tokens, stopped after one synchronisation: 2 rows hold
+    6 tokens, the third waits with none. A second stream resumes them in a cache that preempts: each partial row's
+    prompt and 6 tokens are prefilled once as a resumed row, the prefills of preempted rows are not resumed ones."""
+    model, tokenizer = model_and_tokenizer
+    pinned = TokenSampling(8, min_new_tokens=8, greedy=True)
+    stream = engine_for(model, tokenizer, max_rows=8).stream(prompts(tokenizer, 4), pinned)
+    assert stream.step() == []
+    stream.add(prompts(tokenizer, 6)[4:])
+    assert stream.step() == [0, 1, 2, 3]
+    stream.add(prompts(tokenizer, 7)[6:])
+    run_to_end(stream)
+    stats = stream.close()
+    assert (stats.decode_steps, stats.tail_decode_steps) == (5 + 5 + 5 + 2, 3 + 2)
+    assert stats.busy_slot_steps == 4 * 5 + (4 * 2 + 2 * 5) + (2 * 2 + 5) + 2 == 7 * 8 - 7  # tokens - admissions
+    assert (stats.generated_tokens, stats.unfinished_rows, stats.resumed_rows) == (7 * 8, 0, 0)
+
+    pinned = TokenSampling(16, min_new_tokens=16, greedy=True)
+    batch = prompts(tokenizer, 3)
+    first = engine_for(model, tokenizer, max_rows=2).stream(batch, pinned)
+    assert first.step() == []
+    partial = list(zip(*first.outputs([0, 1, 2]), strict=True))
+    assert [len(tokens) for tokens, _ in partial] == [6, 6, 0]
+    left = first.close()
+    assert (left.unfinished_rows, left.unfinished_tokens, left.resumed_rows) == (3, 12, 0)
+    second = engine_for(model, tokenizer, max_rows=8, max_cache_tokens=96).stream(batch, pinned, resumed=partial)
+    fresh = prompts(tokenizer, 8)[3:]
+    second.add(fresh)
+    run_to_end(second)
+    stats = second.close()
+    assert stats.preemptions > 0 and (stats.resumed_rows, stats.resumed_tokens, stats.unfinished_rows) == (2, 12, 0)
+    assert stats.resumed_prefill_tokens == len(batch[0]) + len(batch[1]) + 2 * 6
+    # every prompt once (the waiting row's and the fresh ones), the resumed rows, then what preemption recomputed
+    assert stats.prefill_tokens > stats.resumed_prefill_tokens + len(batch[2]) + sum(map(len, fresh))
+    assert stats.generated_tokens - stats.resumed_tokens == 8 * 16 - 12
 
 
 @pytest.mark.skipif(

@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 MIN_SLOT_BUCKET = 8
 ATTENTION_KERNELS = ("triton", "reference")
+# A decode step with fewer than this share of the engine's `max_rows` slots busy is a step of the tail: a few long
+# rows decoded one token at a time while the others have ended.
+TAIL_BUSY_SHARE = 0.25
 
 
 @dataclass
@@ -58,12 +61,18 @@ class RolloutStats:
     """What one `generate` call did (benchmarks and the trainer's metrics read it)."""
 
     rows: int = 0
-    generated_tokens: int = 0
+    generated_tokens: int = 0  # every row's tokens at the end of the call, a resumed row's earlier ones included
     decode_steps: int = 0
+    tail_decode_steps: int = 0  # of those, steps with fewer than TAIL_BUSY_SHARE of the `max_rows` slots busy
     slot_steps: int = 0  # sum over decode steps of the decode batch's slots
     busy_slot_steps: int = 0  # of those, slots whose row was still generating
     pool_slot_steps: int = 0  # sum over decode steps of the engine's `max_rows` slots (busy / this: occupancy)
     prefill_tokens: int = 0
+    resumed_rows: int = 0  # rows that continued after tokens an earlier call sampled (partial rollouts)
+    resumed_tokens: int = 0  # those earlier tokens (in `generated_tokens`: this call generated the rest)
+    resumed_prefill_tokens: int = 0  # prompt and earlier tokens prefilled for resumed rows (in `prefill_tokens`)
+    unfinished_rows: int = 0  # rows still decoding or waiting when a stream closed (its caller carries or drops them)
+    unfinished_tokens: int = 0  # the tokens those rows held
     preemptions: int = 0
     synchronisations: int = 0
     prefill_s: float = 0.0
@@ -79,6 +88,17 @@ class GenerationOutput(NamedTuple):
     completions: list[list[int]]  # each cut after its first EOS (kept)
     logprobs: torch.Tensor  # (rows, max_new_tokens) float32 on the engine's device, zero past each completion
     stats: RolloutStats
+
+
+def tail_steps(decoded: np.ndarray, steps: int, slots: int) -> int:
+    """Of `steps` decode steps between two synchronisations, those with fewer than TAIL_BUSY_SHARE of `slots` busy,
+    given the tokens each live row `decoded` in them: a row decodes from the first step until it ends, so step j has
+    as many busy rows as rows that decoded more than j tokens."""
+    needed = math.ceil(TAIL_BUSY_SHARE * slots)  # busy rows a step needs to be out of the tail
+    if len(decoded) < needed:
+        return steps
+    kth_most = int(np.partition(decoded, len(decoded) - needed)[len(decoded) - needed])
+    return steps - min(steps, kth_most)
 
 
 def slot_bucket(rows: int, max_rows: int) -> int:
@@ -478,16 +498,18 @@ class _Generation:
         stats.decode_steps += steps
         stats.slot_steps += steps * bucket
         stats.pool_slot_steps += steps * engine.max_rows  # the configured slots, whatever this call's rows
-        self._synchronise()
+        self._synchronise(steps)
         return True
 
-    def _synchronise(self) -> None:
-        """Read the running rows' counts back (one host synchronisation) and retire the finished ones."""
+    def _synchronise(self, steps: int) -> None:
+        """Read the running rows' counts back after `steps` decode steps (one host synchronisation) and retire the
+        finished ones."""
         slots = self.slots
         counts = torch.stack([slots.active[: self.live].long(), slots.generated[: self.live]]).cpu().numpy()
         self.stats.synchronisations += 1
-        before = self.scheduler.generated[self.scheduler.running].copy()
-        self.stats.busy_slot_steps += int((counts[1] - before).sum())
+        decoded = counts[1] - self.scheduler.generated[self.scheduler.running]
+        self.stats.busy_slot_steps += int(decoded.sum())
+        self.stats.tail_decode_steps += tail_steps(decoded, steps, self.engine.max_rows)
         kept = self.scheduler.retire(counts[1], counts[0].astype(bool))
         self._compact(kept)
 
@@ -513,6 +535,8 @@ class _Generation:
         admission = scheduler.admit()
         for prefix in admission.prefill:
             self.stats.prefill_tokens += len(prefix.tokens)
+            if prefix.resumed:
+                self.stats.resumed_prefill_tokens += len(prefix.tokens)
         self.hidden.update(self._prefill(admission.prefill))
         if admission.copies:
             source, target = (
@@ -601,6 +625,8 @@ class _Generation:
         for row, (tokens, logprobs) in zip(rows, resumed, strict=True):
             if tokens:
                 self.scheduler.resume(row, list(tokens))
+                self.stats.resumed_rows += 1
+                self.stats.resumed_tokens += len(tokens)
                 self.out_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
                 self.out_logprobs[row, : len(tokens)] = logprobs[: len(tokens)].to(self.out_logprobs)
 
@@ -793,8 +819,12 @@ class RolloutStream:
         return self._generation.read(rows)
 
     def close(self) -> RolloutStats:
-        """The call's statistics; the KV pool is freed with the stream."""
-        return self._generation.finish_stats(self._timer)
+        """The call's statistics, with the rows left unfinished; the KV pool is freed with the stream."""
+        scheduler = self._generation.scheduler
+        unfinished = [*scheduler.running, *scheduler.waiting]
+        stats = self._generation.finish_stats(self._timer)
+        stats.unfinished_rows, stats.unfinished_tokens = len(unfinished), int(scheduler.generated[unfinished].sum())
+        return stats
 
 
 class _DeviceTimer:

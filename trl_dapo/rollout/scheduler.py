@@ -60,6 +60,7 @@ class Prefix:
     tokens: list[int]
     waiting: int
     private: bool = False
+    resumed: bool = False  # a row's prompt and the tokens an earlier call sampled for it (a partial rollout)
     pages: list[int] = field(default_factory=list)
 
     @property
@@ -152,8 +153,8 @@ class Scheduler:
             prefix.waiting += 1
             self.prefix_of.append(prefix.index)
 
-    def _new_prefix(self, tokens: list[int], waiting: int, private: bool = False) -> Prefix:
-        prefix = Prefix(self._prefix_count, tokens, waiting, private)
+    def _new_prefix(self, tokens: list[int], waiting: int, private: bool = False, resumed: bool = False) -> Prefix:
+        prefix = Prefix(self._prefix_count, tokens, waiting, private, resumed)
         self._prefix_count += 1
         self.prefixes[prefix.index] = prefix
         return prefix
@@ -250,7 +251,8 @@ class Scheduler:
         shared.waiting -= 1
         if shared.waiting == 0:
             del self.prefixes[shared.index]
-        self.prefix_of[row] = self._new_prefix(self.prompts[row] + list(tokens), waiting=1, private=True).index
+        prefix = self._new_prefix(self.prompts[row] + list(tokens), waiting=1, private=True, resumed=True)
+        self.prefix_of[row] = prefix.index
         self.generated[row] = len(tokens)
 
     def requeue(self, row: int, generated_tokens: list[int]) -> None:
