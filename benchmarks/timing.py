@@ -126,7 +126,7 @@ def time_methods(
         (trainer, "training_step", "training_step"),
     ]:
         setattr(owner, method, timed(name, getattr(owner, method)))
-    engine = getattr(trainer, "rollout_engine", None)
+    engine = getattr(trainer, "paged_engine", None)
     if engine_calls is not None and engine is not None:
         record_engine_calls(
             engine, lambda: trainer.state.global_step, engine_calls, sections.setdefault("generation", [])

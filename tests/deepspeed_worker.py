@@ -57,7 +57,7 @@ def main(model_path: str, output: str) -> None:
         max_grad_norm=1.0,
         max_num_gen_batches=2,
         max_steps=2,
-        **({"use_cpu": False, "bf16": True} if cuda else {}),
+        **({"use_cpu": False, "bf16": True, "rollout_memory_fraction": 0.2} if cuda else {}),
     )
     trainer = DAPOTrainer(
         model=model_path, reward_funcs=varied_then_constant, args=args, train_dataset=arithmetic_prompts(40)

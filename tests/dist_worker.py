@@ -235,7 +235,7 @@ def main(model_path: str, output: str, device_name: str = "cpu") -> None:
     if (
         device_name == "cuda"
     ):  # ranks share the GPU: gloo (NCCL refuses two ranks on one device), a share of memory each
-        device = dict(use_cpu=False, ddp_backend="gloo", rollout_memory_fraction=0.8 / world)
+        device = dict(use_cpu=False, ddp_backend="gloo", rollout_memory_fraction=0.3 / world)
     results = {}
     for name, trainer in trainers(model_path, output, world, device).items():
         trainer.accepted, trainer.dataloader = [], []

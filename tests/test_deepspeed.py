@@ -1,6 +1,7 @@
-"""DeepSpeed ZeRO-2 and ZeRO-3 (the recipes' accelerate configs) on two CPU ranks (gloo): an optimizer step dynamic sampling skips (no informative
-group) must leave DeepSpeed's float32 weights, AdamW's state and the model's parameters as they were on every rank,
-while the step counts: the learning-rate schedule advances and `dapo/skipped_steps` counts it."""
+"""DeepSpeed ZeRO-2 and ZeRO-3 (the recipes' accelerate configs) on two CPU ranks (gloo), or a rank per GPU (at most
+two): an optimizer step dynamic sampling skips (no informative group) must leave DeepSpeed's float32 weights, AdamW's
+state and the model's parameters as they were on every rank, while the step counts: the learning-rate schedule
+advances and `dapo/skipped_steps` counts it."""
 
 import pytest
 import torch
@@ -14,8 +15,9 @@ pytest.importorskip("deepspeed")
 def ranks(request, tiny_model, tmp_path_factory) -> list[dict]:
     """The recipes' own ZeRO accelerate configs, launched on two CPU processes."""
     output = str(tmp_path_factory.mktemp("deepspeed") / "run")
-    launch_worker("deepspeed_worker.py", 2, tiny_model, output, config=request.param)
-    return [torch.load(f"{output}.rank{rank}.pt", weights_only=True) for rank in range(2)]
+    ranks = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2  # a rank per GPU on a GPU machine
+    launch_worker("deepspeed_worker.py", ranks, tiny_model, output, config=request.param)
+    return [torch.load(f"{output}.rank{rank}.pt", weights_only=True) for rank in range(ranks)]
 
 
 def assert_equal(after: dict, before: dict) -> None:
