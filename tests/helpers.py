@@ -1,5 +1,5 @@
 """Shared test helpers: fixed-length prompts, config defaults for the CPU, simple rewards, a free port, worker
-launches."""
+launches, a scripted stand-in for the engine's stream."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from datasets import Dataset
 
 from trl_dapo import DAPOConfig
+from trl_dapo.rollout.paged_engine import RolloutStats
 
 TESTS = Path(__file__).parent
 ACCELERATE_CONFIGS = TESTS.parent / "recipes" / "accelerate"
@@ -119,3 +121,50 @@ def trained_rows(trainer, micro_batches=None) -> dict:
         if not empty
     ]
     return concat_rollouts(passes, trainer._tokenizer.pad_token_id)
+
+
+class ScriptedStream:
+    """A stand-in for the engine's `RolloutStream` whose rows decode one token per step up to a length fixed by their
+    prompt (`[length]`), `slots` rows at a time in admission order: the driver's decisions can be derived by hand."""
+
+    def __init__(self, prompts: list[list[int]], slots: int, resumed=None) -> None:
+        self.lengths, self.generated, self.slots = [], [], slots
+        self.waiting, self.running, self.busy, self.steps, self.resumed_tokens = [], [], 0, 0, 0
+        self.add(prompts, resumed)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, prompts, resumed=None):
+        rows = list(range(len(self.lengths), len(self.lengths) + len(prompts)))
+        self.lengths += [prompt[0] for prompt in prompts]
+        self.generated += [len(tokens) for tokens, _ in resumed] if resumed else [0] * len(prompts)
+        self.resumed_tokens += sum(len(tokens) for tokens, _ in resumed) if resumed else 0
+        self.waiting += rows
+        return rows
+
+    def step(self) -> list[int]:
+        while self.waiting and len(self.running) < self.slots:
+            self.running.append(self.waiting.pop(0))
+        if not self.running:
+            return []
+        self.steps += 1
+        self.busy += len(self.running)
+        for row in self.running:
+            self.generated[row] += 1
+        ended = [row for row in self.running if self.generated[row] == self.lengths[row]]
+        self.running = [row for row in self.running if row not in ended]
+        return ended
+
+    def outputs(self, rows):
+        return [[5] * self.generated[row] for row in rows], torch.zeros(len(rows), 8)
+
+    def close(self):
+        return RolloutStats(
+            generated_tokens=sum(self.generated),
+            busy_slot_steps=self.busy,
+            pool_slot_steps=self.steps * self.slots,
+            decode_steps=self.steps,
+            resumed_tokens=self.resumed_tokens,
+        )

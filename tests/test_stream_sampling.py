@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import arithmetic_prompts, dapo_args
+from helpers import ScriptedStream, arithmetic_prompts, dapo_args
 from trl_dapo import DAPOTrainer
 from trl_dapo.sampling import DynamicSamplingLimitError, filter_groups
 from trl_dapo.sampling.stream import GroupStream
@@ -109,51 +109,6 @@ def test_rounds_count_the_prompts_the_engine_prefilled(tiny_model, tmp_path):
     assert 0 < metrics["dapo/slot_occupancy"] <= 1
 
 
-class ScriptedStream:
-    """A stand-in for the engine's `RolloutStream` whose rows decode one token per step up to a length fixed by their
-    prompt (`[length]`), `slots` rows at a time in admission order: the driver's decisions can be derived by hand."""
-
-    def __init__(self, prompts: list[list[int]], slots: int, resumed=None) -> None:
-        self.lengths, self.generated, self.slots = [], [], slots
-        self.waiting, self.running, self.busy, self.steps = [], [], 0, 0
-        self.add(prompts, resumed)
-
-    @property
-    def idle(self) -> bool:
-        return not self.waiting and not self.running
-
-    def add(self, prompts, resumed=None):
-        rows = list(range(len(self.lengths), len(self.lengths) + len(prompts)))
-        self.lengths += [prompt[0] for prompt in prompts]
-        self.generated += [len(tokens) for tokens, _ in resumed] if resumed else [0] * len(prompts)
-        self.waiting += rows
-        return rows
-
-    def step(self) -> list[int]:
-        while self.waiting and len(self.running) < self.slots:
-            self.running.append(self.waiting.pop(0))
-        if not self.running:
-            return []
-        self.steps += 1
-        self.busy += len(self.running)
-        for row in self.running:
-            self.generated[row] += 1
-        ended = [row for row in self.running if self.generated[row] == self.lengths[row]]
-        self.running = [row for row in self.running if row not in ended]
-        return ended
-
-    def outputs(self, rows):
-        return [[5] * self.generated[row] for row in rows], torch.zeros(len(rows), 8)
-
-    def close(self):
-        return SimpleNamespace(
-            generated_tokens=sum(self.generated),
-            busy_slot_steps=self.busy,
-            pool_slot_steps=self.steps * self.slots,
-            prefill_tokens=0,
-        )
-
-
 @pytest.mark.parametrize("policy", ["finish", "drop"])
 def test_the_stream_admits_on_the_expected_yield_and_finishes_or_drops_what_is_in_flight(policy):
     """Groups of 2 rows, 4 slots, 2 groups missing. Prompts (length, informative): g0 (2, yes), g1 (6, no), g2 (3,
@@ -192,7 +147,7 @@ def test_the_stream_admits_on_the_expected_yield_and_finishes_or_drops_what_is_i
     # tokens: g0 2 x 2, g1 6 x 2, g2 3 x 2, g3 5 x 2 (finished) or 3 x 2 (dropped)
     assert outcome.stats.generated_tokens == (32 if policy == "finish" else 28)
     # busy rows per step: 4, 4, then 2 for steps 3-6, 4 for steps 7-9, 2 for the finishing steps 10-11
-    assert (outcome.stats.busy_slot_steps, outcome.stats.pool_slot_steps) == (
+    assert (outcome.generation.busy_slot_steps, outcome.generation.pool_slot_steps) == (
         (32, 44) if policy == "finish" else (28, 36)
     )
 
@@ -247,7 +202,7 @@ def test_carry_fills_the_free_slots_while_groups_are_missing():
     assert carried.prompt_ids == [6] and carried.tokens == [[5] * 5] * 2
     # tokens: g0 2 x 2, g2 3 x 2, g1 5 x 2 so far; 5 steps of 4 busy slots
     assert (outcome.stats.generated_tokens, outcome.carried_tokens) == (20, 10)
-    assert (outcome.stats.busy_slot_steps, outcome.stats.pool_slot_steps) == (20, 20)
+    assert (outcome.generation.busy_slot_steps, outcome.generation.pool_slot_steps) == (20, 20)
     with pytest.raises(ValueError, match="only 'carry' keeps"):
         GroupStream(None, None, None, None, num_generations=2, world=1, rank=0, keep_groups=filter_groups,
                     in_flight="finish", fill_rows=4)  # fmt: skip
@@ -266,7 +221,11 @@ def test_the_groups_in_flight_stay_within_their_cap():
     outcome = stream.run(missing=2, budget=100, max_in_flight=1)
     assert outcome.full and outcome.admitted_groups == 3
     assert [group.prompt_ids for group in outcome.kept] == [[2], [3]]
-    assert (outcome.stats.generated_tokens, outcome.stats.busy_slot_steps, outcome.stats.pool_slot_steps) == (
+    assert (
+        outcome.stats.generated_tokens,
+        outcome.generation.busy_slot_steps,
+        outcome.generation.pool_slot_steps,
+    ) == (
         22,
         22,
         44,

@@ -18,7 +18,7 @@ from trl_dapo.evaluation import MathAccuracyCallback
 from trl_dapo.integrity import RolloutIntegrityError
 from trl_dapo.rewards import soft_overlong_penalty
 from trl_dapo.rollout_batch import OLD_LOGPROBS_STEP
-from trl_dapo.sampling import DynamicSamplingLimitError
+from trl_dapo.sampling import DynamicSamplingLimitError, GenerationStats
 from trl_dapo.testing import ScriptedRollout
 from trl_dapo.trainer.batch_metrics import trained_batch_metric_names
 from trl_dapo.trainer.checkpoint_files import GENERATION_BATCH_FILE
@@ -739,7 +739,8 @@ def test_a_round_context_takes_its_generations_then_one_scoring():
     the one scoring. Anything else is an error rather than a stale read."""
     scores = RoundScores(torch.zeros(2, 1), torch.ones(2), torch.zeros(2, dtype=torch.bool))
     context = RoundContext()
-    context.record_generation(torch.zeros(2, 3), (4, 5, 6))
+    counts = GenerationStats(busy_slot_steps=4, pool_slot_steps=5, prefill_tokens=6)
+    context.record_generation(torch.zeros(2, 3), counts)
     with pytest.raises(RuntimeError, match="generated twice within one round"):
         context.record_generation(torch.zeros(2, 3))
     with pytest.raises(RuntimeError, match="after the rollout engine's"):
@@ -747,7 +748,7 @@ def test_a_round_context_takes_its_generations_then_one_scoring():
     context.record_scores(scores)
     with pytest.raises(RuntimeError, match="scored a round twice"):
         context.record_scores(scores)
-    assert context.engine_counts == (4, 5, 6) and context.scores is scores
+    assert context.generation is counts and context.scores is scores
     turns = RoundContext()  # TRL's path with tools: a generation per turn, then the scoring
     turns.record_trl_generation()
     turns.record_trl_generation()
@@ -956,7 +957,10 @@ def test_resuming_a_checkpoint_without_the_sampling_state_is_refused_with_dynami
     checkpoint = tmp_path / "saved" / "checkpoint-1"
     (checkpoint / SAMPLING_STATE_FILE).unlink()
     resumed = make_trainer(tiny_model, tmp_path / "resumed", **settings)
-    with pytest.raises(FileNotFoundError, match=rf"has no {SAMPLING_STATE_FILE} .*dynamic_sampling=False\.$"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"has no {SAMPLING_STATE_FILE} .*dynamic_sampling=False and partial_rollouts=False\.$",
+    ):
         resumed.train(resume_from_checkpoint=str(checkpoint))
     plain = make_trainer(tiny_model, tmp_path / "plain", dynamic_sampling=False, **{**settings, "max_steps": 2})
     plain.train(resume_from_checkpoint=str(checkpoint))

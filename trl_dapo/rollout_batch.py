@@ -21,11 +21,15 @@ PADDED_KEYS: dict[str, tuple[str, float | str]] = {
     "tool_mask": ("right", 1),
     "old_per_token_logps": ("right", 0.0),  # the old policy of the ratio
     "sampling_per_token_logps": ("right", 0.0),  # the rollout's, when the old policy is recomputed (TRL's name)
+    "sampling_step": ("right", 0),  # per token, the optimizer step whose weights sampled it (`SAMPLING_STEP`)
 }
 LOGPROB_KEYS = ("old_per_token_logps", "sampling_per_token_logps")
 # With old_logprobs="recompute": the optimizer step whose weights computed a row's `old_per_token_logps` (-1: not yet),
 # so rows that TRL's own pass already covered are not recomputed, and surplus rows of an earlier step are.
 OLD_LOGPROBS_STEP = "old_logprobs_step"
+# Per completion token, the optimizer step whose weights sampled it: every token of a round the step it was generated
+# at, a carried row's earlier tokens an earlier one (partial rollouts). The age metrics read it; no pass trains on it.
+SAMPLING_STEP = "sampling_step"
 # One value (or one row of values) per completion: its advantage, and what the trained-batch metrics read (the
 # per-function rewards, the completion length in model tokens, whether it was cut at max_completion_length).
 ROW_KEYS = ("advantages", "rewards", "completion_lengths", "truncated", OLD_LOGPROBS_STEP)

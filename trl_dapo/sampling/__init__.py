@@ -5,11 +5,12 @@ extra prompts. Nothing here imports the trainer."""
 from .buffer import DynamicSamplingBuffer, DynamicSamplingLimitError, full_pass_message, plan_round_groups
 from .filters import GroupFilter, filter_groups, group_outcomes, solve_rate
 from .prompt_stream import IterablePromptStream, PromptStream, make_prompt_stream
-from .stats import SamplingStats
+from .stats import GenerationStats, SamplingStats
 
 __all__ = [
     "DynamicSamplingBuffer",
     "DynamicSamplingLimitError",
+    "GenerationStats",
     "GroupFilter",
     "IterablePromptStream",
     "PromptStream",

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..rollout_batch import RolloutBatch, concat_rollouts, num_rows, select_rows
+from ..rollout_batch import SAMPLING_STEP, RolloutBatch, concat_rollouts, num_rows, select_rows
 from .filters import GroupFilter
 from .stats import SamplingStats
 
@@ -116,9 +116,12 @@ class DynamicSamplingBuffer:
     def _group_rows(self, groups: torch.Tensor) -> torch.Tensor:
         return (groups.unsqueeze(1) * self.num_generations + torch.arange(self.num_generations)).flatten()
 
-    def tokens(self, batch: RolloutBatch, groups: torch.Tensor | None = None) -> int:
-        """Completion tokens of `groups` of `batch` (all of them when None)."""
+    def tokens(self, batch: RolloutBatch, groups: torch.Tensor | None = None, sampled_at: int | None = None) -> int:
+        """Completion tokens of `groups` of `batch` (all of them when None); with `sampled_at`, only those the weights
+        of that optimizer step sampled (a carried row's earlier tokens were counted when they were generated)."""
         mask = batch["completion_mask"]
+        if sampled_at is not None and SAMPLING_STEP in batch:
+            mask = mask * (batch[SAMPLING_STEP] == sampled_at)
         if groups is not None:
             mask = mask[self._group_rows(groups).to(mask.device)]
         return int(mask.sum())
@@ -160,8 +163,8 @@ class DynamicSamplingBuffer:
             candidates, metric = generate_round(groups, stats.gen_batches)
             kept = self._record_round(stats, metric.cpu())
             keep = kept.nonzero().flatten()
-            stats.generated_tokens += self.tokens(candidates)
-            stats.filtered_tokens += self.tokens(candidates, (~kept).nonzero().flatten())
+            stats.generated_tokens += self.tokens(candidates, sampled_at=step)
+            stats.filtered_tokens += self.tokens(candidates, (~kept).nonzero().flatten(), sampled_at=step)
             uninformative_run = 0 if keep.numel() else uninformative_run + num_rows(candidates) // self.num_generations
             if keep.numel():
                 found.add(self._select_groups(candidates, keep), torch.full((keep.numel(),), step, dtype=torch.long))
@@ -211,7 +214,7 @@ class DynamicSamplingBuffer:
         rest = torch.arange(take, have)
         if rest.numel() and (self.keep_surplus or stats.partial):
             self.surplus, self.surplus_birth = self._select_groups(accepted, rest), birth[rest]
-            stats.surplus_tokens += self.tokens(accepted, rest[birth[rest] == step])
+            stats.surplus_tokens += self.tokens(accepted, rest[birth[rest] == step], sampled_at=step)
         else:
             stats.discarded_qualified_groups += int(rest.numel())
             stats.untrained_tokens += self.tokens(accepted, rest)

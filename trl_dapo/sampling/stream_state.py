@@ -2,22 +2,20 @@
 
 The surplus groups and the running efficiency are the buffer's (`buffer.py`), shared with rounds: a batch takes the
 surplus first, then one stream for the groups still missing, whose counts join the efficiency. What only the stream
-has is each rank's own: the groups it left in flight (`in_flight="carry"`), each sample with its tokens so far, their
-logprobs (the policy that sampled each) and the optimizer step that first admitted the group, resumed by the next
-stream unless older than `max_surplus_age`. They are not saved with checkpoints: a resumed run generates them again.
+has is each rank's own: the groups it left in flight (partial rollouts, `carried.py`), resumed by the next stream
+unless older than `partial_rollout_max_age`, and saved with checkpoints.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from ..rollout_batch import RolloutBatch, num_rows
 from .buffer import DynamicSamplingBuffer
+from .carried import CarriedGroups
 from .stats import SamplingStats
-from .stream import CarriedGroup
 
 # One stream: given the groups still missing, return its kept groups (global, in acceptance order; possibly none)
 # and the counts of every rank.
@@ -28,9 +26,9 @@ class StreamState:
     """Stream mode's side of the dynamic sampling state: the buffer it shares with rounds, and this rank's groups
     left in flight by the last stream (`carried`)."""
 
-    def __init__(self, buffer: DynamicSamplingBuffer) -> None:
+    def __init__(self, buffer: DynamicSamplingBuffer, max_age: int | None = None) -> None:
         self.buffer = buffer
-        self.carried: list[CarriedGroup] = []
+        self.carried = CarriedGroups(max_age)
 
     def fill(
         self, target_groups: int, stream: StreamBatch, step: int, group_multiple: int = 1
@@ -54,14 +52,3 @@ class StreamState:
             "batches)"
         )
         return buffer.accept(stats, found, target_groups, group_multiple, step, kept, spent)
-
-    def resume(self, step: int) -> tuple[list[CarriedGroup], int]:
-        """The carried groups young enough to resume at optimizer step `step`, and the tokens of those that aged out
-        (never trained)."""
-        young = [group for group in self.carried if step - group.birth <= self.buffer.max_surplus_age]
-        aged_tokens = sum(group.earlier_tokens for group in self.carried) - sum(g.earlier_tokens for g in young)
-        return young, aged_tokens
-
-    def carry(self, groups: list[CarriedGroup], step: int) -> None:
-        """What the stream left in flight at `step`, for the next one; a group admitted by this stream is born now."""
-        self.carried = [group if group.birth >= 0 else dataclasses.replace(group, birth=step) for group in groups]

@@ -5,7 +5,7 @@ TRL logs its own inside `_generate_and_score_completions`, once per call: with d
 candidate round, filtered groups included. DAPOTrainer removes those entries and logs these instead, with the same
 names and definitions (TRL 1.16, `sum_then_normalize` aggregation with per-group statistics, the only one dynamic
 sampling allows), over the accepted groups. DAPO's rollout metrics (`rollout_metrics`) are computed once per
-generation batch over the same rows, whatever the mode.
+generation batch over the same rows, whatever the mode, with the age of the policies that sampled them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from trl.trainer.utils import nanstd
 
 from ..rewards.overlong import OVERLONG_REWARD_NAME
-from ..rollout_batch import RolloutBatch, loss_mask, rollout_logprobs
+from ..rollout_batch import SAMPLING_STEP, RolloutBatch, loss_mask, rollout_logprobs
 
 COMPLETION_METRICS = (
     "completions/mean_length",
@@ -68,13 +68,26 @@ def trained_batch_metrics(
     return metrics
 
 
-def rollout_metrics(batch: RolloutBatch, reward_func_names: list[str]) -> dict[str, torch.Tensor]:
-    """DAPO's metrics of the rollout for a global batch, as device scalars: the mean logprob of the trained tokens
-    under the policy that sampled them, the share of completions cut at the length limit, the mean overlong penalty."""
+def rollout_metrics(
+    batch: RolloutBatch, reward_func_names: list[str], step: int, num_generations: int
+) -> dict[str, torch.Tensor]:
+    """DAPO's metrics of the rollout for a global batch trained from optimizer step `step` on, as device scalars: the
+    mean logprob of the trained tokens under the policy that sampled them, the share of completions cut at the length
+    limit, the mean overlong penalty, and how old the policies that sampled them are (surplus groups and partial
+    rollouts train tokens an earlier step's weights sampled): the share of such tokens, the mean age of a trained
+    token in optimizer steps, and the mean and largest age of a trained group (since its first token was sampled)."""
     mask = loss_mask(batch)
+    tokens = mask.sum().clamp(min=1)
+    age = (step - batch[SAMPLING_STEP]) * mask
+    first_sampled = torch.where(mask.bool(), batch[SAMPLING_STEP], step).amin(dim=1)
+    group_age = (step - first_sampled.view(-1, num_generations).amin(dim=1)).float()
     metrics = {
-        "rollout_logprobs_mean": (rollout_logprobs(batch) * mask).sum() / mask.sum().clamp(min=1),
+        "rollout_logprobs_mean": (rollout_logprobs(batch) * mask).sum() / tokens,
         "dapo/truncated_ratio": batch["truncated"].float().mean(),
+        "dapo/old_policy_token_share": (age > 0).sum() / tokens,
+        "dapo/token_age_mean": age.sum() / tokens,
+        "dapo/trained_group_age_mean": group_age.mean(),
+        "dapo/trained_group_age_max": group_age.max(),
     }
     if OVERLONG_REWARD_NAME in reward_func_names:
         column = reward_func_names.index(OVERLONG_REWARD_NAME)

@@ -1,14 +1,16 @@
 """Collecting one generation batch: every rank's rows, from one round or from dynamic sampling's kept groups.
 
 Each collection strategy is a `Collector`: `check` says what it needs of the set-up before any model loads (called
-once, by `set_up.check_set_up`), and `collect(inputs, step) -> (global batch, SamplingStats | None)` gathers each
-generation batch. `set_up.collection_strategy` picks the one the config asks for:
+once, by `set_up.check_set_up`), and `collect(inputs, step) -> Collected` gathers each generation batch with what
+dynamic sampling and the engine did. `set_up.collection_strategy` picks the one the config asks for:
 
 - `OneRound` (`dynamic_sampling=False`): the dataloader's batch through TRL's method, trained as generated;
 - `CandidateRounds` (`dynamic_sampling_mode="rounds"`): the buffer's candidate rounds, each through TRL's method;
 - `StreamedGroups` (`"stream"`, `streamed.py`): one call of the paged engine per generation batch that scores each
   group as its last row ends (`sampling/stream.py`), then the kept groups through TRL's method as rows already
-  generated and scored.
+  generated and scored;
+- with `partial_rollouts=True`, `PartialRounds` and `PartialCandidateRounds` (`partial.py`): the same rounds, each
+  stopped once its groups have ended, the rest carried (stream mode carries in `StreamedGroups`).
 
 Every round goes through `TRLRounds` (`round.py`); which groups count as informative is one `GroupFilter`, the
 buffer's, which `StreamedGroups` hands to the stream.
@@ -19,21 +21,33 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from ..rollout_batch import RolloutBatch
-from ..sampling import DynamicSamplingBuffer, SamplingStats
-from .round import TRLRounds
+from ..sampling import DynamicSamplingBuffer, GenerationStats, SamplingStats
+from ..sampling.carried import CarriedGroups
+from .round import Round, TRLRounds
 
 logger = logging.getLogger(__name__)
 
 
+class Collected(NamedTuple):
+    """One generation batch: every rank's rows, what dynamic sampling did (None without it: TRL's own metrics then
+    describe the batch), and what the engine did and partial rollouts carried, summed over the ranks."""
+
+    batch: RolloutBatch
+    sampling: SamplingStats | None
+    generation: GenerationStats
+
+
 class Collector:
-    """A collection strategy (see the module docstring)."""
+    """A collection strategy (see the module docstring). `carried`: this rank's carried groups where the strategy
+    has partial rollouts (checkpoints save them), else None."""
+
+    carried: CarriedGroups | None = None
 
     @staticmethod
     def check(args, reward_funcs: list, reward_names: Sequence[str], rollout_func, calls_tools: bool) -> None:
@@ -41,18 +55,19 @@ class Collector:
         any model loads: `DAPOTrainer`'s arguments of those names, `reward_funcs` as a list, their names as TRL gives
         them. Nothing, unless the strategy says otherwise."""
 
-    def collect(self, inputs: list[dict[str, Any]], step: int) -> tuple[RolloutBatch, SamplingStats | None]:
+    def collect(self, inputs: list[dict[str, Any]], step: int) -> Collected:
         raise NotImplementedError
 
 
 class OneRound(Collector):
     """No dynamic sampling: the dataloader's batch, trained as generated."""
 
-    def __init__(self, rounds: TRLRounds) -> None:
-        self.rounds = rounds
+    def __init__(self, rounds: TRLRounds, accelerator) -> None:
+        self.rounds, self.accelerator = rounds, accelerator
 
-    def collect(self, inputs: list[dict[str, Any]], step: int) -> tuple[RolloutBatch, None]:
-        return self.rounds.run(inputs, trained_as_generated=True).batch, None
+    def collect(self, inputs: list[dict[str, Any]], step: int) -> Collected:
+        generated = self.rounds.run(inputs, trained_as_generated=True)
+        return Collected(generated.batch, None, generated.generation.summed(self.accelerator))
 
 
 class CandidateRounds(Collector):
@@ -65,31 +80,43 @@ class CandidateRounds(Collector):
         self.rounds, self.buffer, self.prompt_stream, self.accelerator = rounds, buffer, prompt_stream, accelerator
         self.target, self.progress = target, progress
 
-    def collect(self, inputs: list[dict[str, Any]], step: int) -> tuple[RolloutBatch, SamplingStats]:
-        rank, world, G = self.accelerator.process_index, self.accelerator.num_processes, self.buffer.num_generations
-        counts = torch.zeros(3, dtype=torch.long)  # the engine's busy and all decode slot-steps, prefilled tokens
+    def collect(self, inputs: list[dict[str, Any]], step: int) -> Collected:
+        engine_counts: list[GenerationStats] = []  # each round's, on this rank
 
-        def generate_round(groups: int, round_index: int) -> tuple[RolloutBatch, torch.Tensor]:
-            rows = gather_object(inputs) if round_index == 0 else []  # the first round is the dataloader's batch
-            missing = groups - len(rows) // G
-            rows += [row for row in self.prompt_stream.take(missing) for _ in range(G)] if missing > 0 else []
-            share = len(rows) // world
-            candidates = self.rounds.run(rows[rank * share : (rank + 1) * share], trained_as_generated=False)
-            counts.add_(torch.tensor(candidates.engine_counts))
+        def generate_round(groups: int, round_index: int):
+            candidates = self._round(inputs, groups, round_index, step)
+            engine_counts.append(candidates.generation)
             return candidates.batch, candidates.metric
 
+        world = self.accelerator.num_processes
         with RoundProgress(enabled=self.progress) as progress:
             batch, stats = self.buffer.fill(
                 self.target,
                 generate_round,
                 step=step,
-                group_multiple=world // math.gcd(G, world),
+                group_multiple=world // math.gcd(self.buffer.num_generations, world),
                 dataset_prompts=lambda: self.prompt_stream.num_prompts,
                 report=progress,
             )
-        busy, pool, prefill = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").tolist()
-        stats.busy_slot_steps, stats.pool_slot_steps, stats.prefill_tokens = int(busy), int(pool), int(prefill)
-        return batch, stats
+        generation = GenerationStats()
+        for counts in [*engine_counts, *([self.carried.generation_counts()] if self.carried is not None else [])]:
+            generation += counts
+        generation = generation.summed(self.accelerator)
+        self._account(stats, generation)
+        return Collected(batch, stats, generation)
+
+    def _round(self, inputs: list[dict[str, Any]], groups: int, round_index: int, step: int) -> Round:
+        """One candidate round of `groups` groups: the dataloader's batch first, then prompts from the stream, each
+        rank generating its share; this rank's engine counts."""
+        G, rank, world = self.buffer.num_generations, self.accelerator.process_index, self.accelerator.num_processes
+        rows = gather_object(inputs) if round_index == 0 else []  # the first round is the dataloader's batch
+        missing = groups - len(rows) // G
+        rows += [row for row in self.prompt_stream.take(missing) for _ in range(G)] if missing > 0 else []
+        share = len(rows) // world
+        return self.rounds.run(rows[rank * share : (rank + 1) * share], trained_as_generated=False)
+
+    def _account(self, stats: SamplingStats, generation: GenerationStats) -> None:
+        """What the batch's generation counts (summed over ranks) correct in its sampling counts: nothing here."""
 
 
 class RoundProgress:

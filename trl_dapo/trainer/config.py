@@ -19,6 +19,7 @@ OLD_LOGPROBS_CHOICES = ("rollout", "recompute")
 SAMPLING_MODES = ("rounds", "stream")
 IN_FLIGHT_CHOICES = ("finish", "drop", "carry")
 DEFAULT_CORRECTION_MAX = 2.0
+DEFAULT_MAX_IN_FLIGHT = 3.0
 
 
 def _joined(counts: list[int]) -> str:
@@ -123,15 +124,31 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             Stream mode: what happens to rows still decoding when the batch is full. `"finish"`: no new prompts, the
             rows in flight finish; their informative groups become surplus (with their rollout logprobs, bounded by
             `max_surplus_age`). `"drop"`: they are abandoned at once (their tokens are wasted, the step ends sooner).
-            `"carry"`: they stop now and resume in the next generation batch's stream (partial rollouts): their KV is
-            recomputed under the new weights, each token keeps the logprob of the policy that sampled it, and a group
-            older than `max_surplus_age` optimizer steps is dropped. Since nothing in flight is lost, `"carry"` also
-            keeps every decode slot busy while groups are missing (admitting beyond the expected yield); raise
-            `max_surplus_age` when a batch decodes in less time than a group's longest sample takes.
+            `"carry"`: the same as `partial_rollouts=True` (kept so that configs written before that field work).
         dynamic_sampling_stream_sync_every (`int`, *optional*, defaults to `1`):
             Stream mode: engine synchronisations (each `sync_every` decode steps) between two agreements of the
             ranks on the kept and in-flight counts (one small all-reduce); admissions and the end of the batch are
             decided there only, so the kept groups depend on the seed and the number of ranks, not on timing.
+        partial_rollouts (`bool`, *optional*, defaults to `False`):
+            Partial rollouts: a round of generation stops once the groups it must deliver have all ended (the
+            generation batch's groups; with dynamic sampling, each candidate round's), while the engine keeps its
+            decode slots busy with more groups than that; the groups still decoding are carried whole (their
+            finished samples included) into the next round or generation batch and continued there under the weights
+            then current, so no round waits for a tail of a few long rows. A group is trained once, when all its
+            samples have ended; each token keeps the logprob of the policy that sampled it, which stays its old
+            policy in the ratio (with `old_logprobs="recompute"`, `rollout_correction` weighs the tokens an earlier
+            policy sampled like any other). Needs trl-dapo's engine (`rollout_engine="paged"`, or `"auto"` on CUDA).
+            Rounds mode scores the delivered groups through TRL's method as usual; stream mode carries what is in
+            flight when the batch is full (as `dynamic_sampling_in_flight="carry"`). Extra prompts come from the
+            same stream dynamic sampling's extra rounds draw from. Off until the ablation measures its effect on
+            learning.
+        partial_rollout_max_in_flight (`float`, *optional*, defaults to `3.0`):
+            Most groups in flight at once (admitted and not yet ended, carried ones included), in generation batches:
+            it bounds how many optimizer steps old a trained group can be and how many rows are re-prefilled after
+            each step. Must be greater than 1 (at 1 nothing is admitted beyond a batch, so nothing is carried).
+        partial_rollout_max_age (`int` or `None`, *optional*, defaults to `None`):
+            Optimizer steps a carried group may age (since it was first admitted) before it is dropped, untrained
+            (`dapo/aged_out_groups`); `None`: never, the in-flight cap bounds the age.
         overlong_buffer_len (`int` or `None`, *optional*, defaults to `None`):
             Soft overlong punishment buffer L_cache: completions longer than `max_completion_length -
             overlong_buffer_len` get a penalty growing linearly to `-overlong_penalty_factor` at
@@ -245,6 +262,15 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     )
     dynamic_sampling_stream_sync_every: int = field(
         default=1, metadata={"help": "Stream mode: engine synchronisations between cross-rank agreements."}
+    )
+    partial_rollouts: bool = field(
+        default=False, metadata={"help": "Stop a round once its groups ended; carry the rest to the next round."}
+    )
+    partial_rollout_max_in_flight: float = field(
+        default=DEFAULT_MAX_IN_FLIGHT, metadata={"help": "Partial rollouts: most groups in flight, in batches (> 1)."}
+    )
+    partial_rollout_max_age: int | None = field(
+        default=None, metadata={"help": "Partial rollouts: oldest carried group, in optimizer steps; None = no limit."}
     )
     overlong_buffer_len: int | None = field(
         default=None, metadata={"help": "Soft overlong punishment buffer; None = a fifth of max_completion_length."}
@@ -418,6 +444,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise invalid_value("rollout_engine", self.rollout_engine, f"use one of {ROLLOUT_ENGINES}.")
         self._validate_sampling_mode()
+        self._validate_partial_rollouts()
         self._validate_old_policy()
         if self.padding_free_max_tokens is not None and self.padding_free is False:
             raise invalid_value(
@@ -435,6 +462,12 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 "dynamic_sampling_in_flight", self.dynamic_sampling_in_flight, f"use one of {IN_FLIGHT_CHOICES}."
             )
         if self.dynamic_sampling_mode == "rounds":
+            if self.dynamic_sampling_in_flight == "carry":
+                raise invalid_value(
+                    "dynamic_sampling_in_flight",
+                    "carry",
+                    "it acts in stream mode only; rounds mode carries the rows in flight with partial_rollouts=True.",
+                )
             for name, default in (("dynamic_sampling_in_flight", "finish"), ("dynamic_sampling_stream_sync_every", 1)):
                 if getattr(self, name) != default:
                     raise invalid_value(
@@ -456,13 +489,47 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 "it sizes candidate rounds, which stream mode does not have (it admits groups from the running "
                 "efficiency as slots free): leave it at '1.0', or use dynamic_sampling_mode='rounds'.",
             )
+        self._check_paged_engine("dynamic_sampling_mode", "stream", "dynamic_sampling_mode='rounds'")
+
+    def _validate_partial_rollouts(self) -> None:
+        """Partial rollouts and their settings. Stream mode's `dynamic_sampling_in_flight="carry"` is the same switch:
+        either turns both on; a partial-rollout setting without partial rollouts would be ignored."""
+        if self.dynamic_sampling_in_flight == "carry":
+            self.partial_rollouts = True
+        if not self.partial_rollouts:
+            for name, default in (
+                ("partial_rollout_max_in_flight", DEFAULT_MAX_IN_FLIGHT),
+                ("partial_rollout_max_age", None),
+            ):
+                if getattr(self, name) != default:
+                    raise invalid_value(
+                        name,
+                        getattr(self, name),
+                        "it acts with partial_rollouts=True only: set that, or leave this at its default.",
+                    )
+            return
+        if self.dynamic_sampling_mode == "stream":
+            if self.dynamic_sampling_in_flight == "drop":
+                raise invalid_value(
+                    "dynamic_sampling_in_flight",
+                    "drop",
+                    "partial_rollouts=True carries the rows in flight when the batch is full, which 'drop' abandons: "
+                    "leave dynamic_sampling_in_flight at its default, or set partial_rollouts=False.",
+                )
+            self.dynamic_sampling_in_flight = "carry"
+        self._check_paged_engine("partial_rollouts", True, "partial_rollouts=False")
+
+    def _check_paged_engine(self, name: str, value: object, otherwise: str) -> None:
+        """`name` (at `value`) needs trl-dapo's paged engine: an engine choice that rules it out is an error here,
+        before any model loads (what only the built trainer knows is checked at set-up, `set_up.py`)."""
         if self.rollout_engine == "trl" or self.use_vllm:
             engine = "use_vllm=True" if self.use_vllm else f"rollout_engine={self.rollout_engine!r}"
             raise invalid_value(
-                "dynamic_sampling_mode",
-                "stream",
-                f"streaming refills the decode slots of trl-dapo's paged engine, which {engine} does not use: set "
-                "rollout_engine='paged' (or 'auto' on CUDA), or dynamic_sampling_mode='rounds'.",
+                name,
+                value,
+                f"it needs trl-dapo's paged engine (it keeps rows decoding across the engine's calls and refills its "
+                f"decode slots), which {engine} does not use: set rollout_engine='paged' (or 'auto' on CUDA), or "
+                f"{otherwise}.",
             )
 
     def _validate_old_policy(self) -> None:

@@ -54,6 +54,25 @@ def unusable_engine(choice: str, reason: str) -> ValueError:
     return ValueError(f"DAPOConfig.rollout_engine={choice!r} cannot be used here: {reason}.")
 
 
+def check_paged_engine_settings(args, rollout_func, calls_tools: bool, asks: str, otherwise: str) -> None:
+    """A setting that needs the paged engine to generate (`asks`, e.g. "partial_rollouts=True"; `otherwise`: the
+    way out without it): the settings must let it, as far as they tell before any model loads."""
+    if args.rollout_engine == "auto" and args.device.type != "cuda":
+        raise paged_engine_needed(args, asks, "without a CUDA device TRL's path generates", otherwise)
+    reason = why_settings_rule_out_engine(args, rollout_func, calls_tools)
+    if reason is not None:
+        raise paged_engine_needed(args, asks, reason, otherwise)
+
+
+def paged_engine_needed(args, asks: str, reason: str, otherwise: str) -> ValueError:
+    """`asks` on a set-up where the paged engine does not generate, and why."""
+    return ValueError(
+        f"DAPOConfig.{asks} needs trl-dapo's paged engine, which this trainer would not generate with "
+        f"(rollout_engine={args.rollout_engine!r}: {reason}). Set rollout_engine='paged' (its CPU path works for "
+        f"tests), or {otherwise}."
+    )
+
+
 @dataclass(frozen=True)
 class EngineSetUp:
     """What the engine choice reads of a built trainer (`trl_view.engine_set_up`)."""

@@ -131,6 +131,13 @@ FIELD_RULES: dict[str, Rule] = {
     "max_surplus_age": _count(0, optional=True, hint="a number of optimizer steps"),
     "dynamic_sampling_max_oversample": _number(1),
     "dynamic_sampling_stream_sync_every": _count(1),
+    "partial_rollouts": _SWITCH,
+    "partial_rollout_max_in_flight": _number(
+        1,
+        low_open=True,
+        hint="generation batches' worth of groups in flight, e.g. 3.0; at 1 nothing would ever be carried",
+    ),
+    "partial_rollout_max_age": _count(0, optional=True, hint="a number of optimizer steps"),
     "overlong_buffer_len": _count(0, optional=True, hint="0 turns it off"),
     "overlong_penalty_factor": _number(0, hint="DAPO: 1.0"),
     "rollout_memory_fraction": _number(0, 1, low_open=True, hint="a share of the device's memory, e.g. 0.85"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,11 +26,13 @@ from ..rollout_batch import (
     OLD_LOGPROBS_STEP,
     PADDED_KEYS,
     ROW_KEYS,
+    SAMPLING_STEP,
     RolloutBatch,
     gather_rollout,
     loss_mask,
     num_rows,
 )
+from ..sampling import GenerationStats
 
 if TYPE_CHECKING:
     from .trl_view import TRLView
@@ -50,34 +52,38 @@ class RoundScores:
 
 @dataclass
 class StreamedRows:
-    """A rank's share of the streamed groups, handed to TRL's method: what `_generate_single_turn` returns instead of
-    generating, and the rewards `_calculate_rewards` returns instead of scoring again."""
+    """A rank's share of rows the engine generated before TRL's method was called (stream mode's kept groups, or the
+    groups a partial round delivers), handed to that method: what `_generate_single_turn` returns instead of
+    generating, and the rewards `_calculate_rewards` returns instead of scoring again (None: TRL scores them)."""
 
     prompt_ids: list[list[int]]
     completions: list[list[int]]
     logprobs: torch.Tensor  # (rows, max_new_tokens)
-    rewards: torch.Tensor  # (rows, reward functions), this rank's rows
+    rewards: torch.Tensor | None  # (rows, reward functions), this rank's rows; None: scored by TRL's method
+    token_steps: torch.Tensor  # (rows, max_new_tokens): the optimizer step whose weights sampled each token
 
 
 @dataclass
 class RoundContext:
     """What one call of TRL's method exchanges between the round and DAPO's hooks."""
 
-    streamed: StreamedRows | None = None  # in: rows already generated and scored (stream mode)
+    streamed: StreamedRows | None = None  # in: rows already generated (stream mode, partial rounds)
     generations: int = 0  # calls of the generation hook so far
     engine_logprobs: torch.Tensor | None = None  # out: the sampled tokens' logprobs, where trl-dapo's engine generated
-    engine_counts: tuple[int, int, int] = (0, 0, 0)  # out: busy and all decode slot-steps, prefilled tokens
+    generation: GenerationStats = field(default_factory=GenerationStats)  # out: the engine's counts of this call
     scores: RoundScores | None = None  # out: the rewards and what TRL's output drops
 
-    def record_generation(self, logprobs: torch.Tensor, counts: tuple[int, int, int] = (0, 0, 0)) -> None:
-        """trl-dapo's engine generated, or stream mode handed TRL its rows: the round's one generation, before scoring
-        (the logprobs describe exactly these rows, so a second generation would leave rows without them)."""
+    def record_generation(self, logprobs: torch.Tensor, counts: GenerationStats | None = None) -> None:
+        """trl-dapo's engine generated, or rows generated before were handed to TRL: the round's one generation,
+        before scoring (the logprobs describe exactly these rows, so a second generation would leave rows without
+        them)."""
         if self.generations or self.scores is not None:
             raise RuntimeError(
                 "TRL generated twice within one round, or after scoring it: the rollout engine's (or the stream's) "
                 "rows must be the round's one generation, before its scoring."
             )
-        self.generations, self.engine_logprobs, self.engine_counts = 1, logprobs, counts
+        self.generations, self.engine_logprobs = 1, logprobs
+        self.generation = counts or GenerationStats()
 
     def record_trl_generation(self) -> None:
         """TRL's path generated: once, then once more per tool-calling turn, every turn before the scoring."""
@@ -100,7 +106,7 @@ class Round:
 
     batch: RolloutBatch
     metric: torch.Tensor
-    engine_counts: tuple[int, int, int]
+    generation: GenerationStats
 
 
 class TRLRounds:
@@ -154,7 +160,7 @@ class TRLRounds:
                     if not metrics[name]:
                         del metrics[name]
         batch = self._global_batch(output, context)
-        return Round(batch, self.filter_metric(context.scores.rewards), context.engine_counts)
+        return Round(batch, self.filter_metric(context.scores.rewards), context.generation)
 
     def _global_batch(self, output: dict[str, Any], context: RoundContext) -> RolloutBatch:
         """The round's rows of every rank with their rollout logprobs (and the old policy's, where recomputed), checked,
@@ -175,6 +181,7 @@ class TRLRounds:
             step = -1 if recomputed is None else view.step()
             local[OLD_LOGPROBS_STEP] = torch.full((sampled.size(0),), step, device=sampled.device)
         local[rollout_key] = sampled
+        local[SAMPLING_STEP] = _token_steps(context.streamed, sampled, view.step())
         batch = gather_rollout(local, view.accelerator, view.pad_token_id)
         check_groups(batch["prompt_ids"], batch["prompt_mask"], view.num_generations)
         counted = loss_mask(batch).bool()
@@ -211,6 +218,15 @@ class TRLRounds:
             # TRL's generation path: the training model itself sampled, so its forward pass gives the policy's logprobs
             recomputed = self.recompute_logprobs(output)
         return recomputed, recomputed
+
+
+def _token_steps(streamed: StreamedRows | None, sampled: torch.Tensor, step: int) -> torch.Tensor:
+    """Per completion token, the optimizer step whose weights sampled it: the rows handed in say so (a partial
+    rollout's earlier tokens an earlier step), any other round's were all sampled now."""
+    if streamed is None:
+        return torch.full(sampled.shape, step, dtype=torch.long, device=sampled.device)
+    steps = streamed.token_steps[:, : sampled.size(1)].to(sampled.device)
+    return F.pad(steps, (0, sampled.size(1) - steps.size(1)), value=step)
 
 
 def round_scores(rewards: torch.Tensor, completion_ids: list[list[int]], ends: set[int], accelerator) -> RoundScores:

@@ -22,6 +22,7 @@ from ..rewards.overlong import OVERLONG_REWARD_NAME
 from .collect import CandidateRounds, Collector, OneRound
 from .config import DAPOConfig
 from .engine_choice import unusable_engine, why_settings_rule_out_engine
+from .partial import PartialCandidateRounds, PartialRounds
 from .streamed import StreamedGroups
 
 
@@ -48,10 +49,12 @@ def filter_column(metric: str | None, names: Sequence[str]) -> int | None:
 
 
 def collection_strategy(args: DAPOConfig) -> type[Collector]:
-    """The collector `dynamic_sampling` and `dynamic_sampling_mode` ask for (`collect.py`)."""
+    """The collector `dynamic_sampling`, `dynamic_sampling_mode` and `partial_rollouts` ask for (`collect.py`)."""
     if not args.dynamic_sampling:
-        return OneRound
-    return CandidateRounds if args.dynamic_sampling_mode == "rounds" else StreamedGroups
+        return PartialRounds if args.partial_rollouts else OneRound
+    if args.dynamic_sampling_mode == "rounds":
+        return PartialCandidateRounds if args.partial_rollouts else CandidateRounds
+    return StreamedGroups  # which carries the rows in flight itself with partial rollouts
 
 
 def check_datasets(

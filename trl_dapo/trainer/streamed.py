@@ -17,22 +17,31 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from accelerate.utils import gather_object
 from torch import nn
 from trl.trainer.utils import is_async_callable
 
 from ..integrity import RolloutIntegrityError
-from ..rollout_batch import OLD_LOGPROBS_STEP, RolloutBatch
-from ..sampling import DynamicSamplingBuffer, DynamicSamplingLimitError, SamplingStats, full_pass_message
+from ..rollout_batch import OLD_LOGPROBS_STEP, SAMPLING_STEP, RolloutBatch
+from ..sampling import (
+    DynamicSamplingBuffer,
+    DynamicSamplingLimitError,
+    GenerationStats,
+    SamplingStats,
+    full_pass_message,
+)
+from ..sampling.partial_round import in_flight_cap
 from ..sampling.stream import GroupStream, StreamedGroup, StreamOutcome
 from ..sampling.stream_state import StreamState
-from .collect import Collector
-from .engine_choice import EngineWeights, token_sampling, why_settings_rule_out_engine
+from .collect import Collected, Collector
+from .engine_choice import EngineWeights, check_paged_engine_settings, paged_engine_needed, token_sampling
 from .round import StreamedRows, TRLRounds
 from .scoring import GroupScorer
 
 # Admissions of one streamed generation batch with unlimited rounds and a stream of unknown size, in batches of groups.
 UNKNOWN_SIZE_STREAM_BATCHES = 16
+STREAM_MODE = "dynamic_sampling_mode='stream'"
 
 
 class StreamedGroups(Collector):
@@ -45,11 +54,7 @@ class StreamedGroups(Collector):
     def check(args, reward_funcs: list, reward_names: Sequence[str], rollout_func, calls_tools: bool) -> None:
         """The paged engine must generate (not TRL's path, vLLM or a `rollout_func`) and every reward function must
         be a plain callable, as far as the settings and the reward functions tell before any model loads."""
-        if args.rollout_engine == "auto" and args.device.type != "cuda":
-            raise stream_without_engine(args, "without a CUDA device TRL's path generates")
-        reason = why_settings_rule_out_engine(args, rollout_func, calls_tools)
-        if reason is not None:
-            raise stream_without_engine(args, reason)
+        check_paged_engine_settings(args, rollout_func, calls_tools, STREAM_MODE, "dynamic_sampling_mode='rounds'")
         _check_reward_functions(reward_funcs, reward_names)
 
     @staticmethod
@@ -60,7 +65,8 @@ class StreamedGroups(Collector):
         added are plain callables too, and the tokenizer does not parse completions (TRL would hand the reward
         functions parsed completions, the stream scores decoded text)."""
         if engine is None:
-            raise stream_without_engine(args, "on this set-up TRL's path generates, see the log for why")
+            reason = "on this set-up TRL's path generates, see the log for why"
+            raise paged_engine_needed(args, STREAM_MODE, reason, "dynamic_sampling_mode='rounds'")
         _check_reward_functions(reward_funcs, reward_names)
         parsed = [name for name in ("response_template", "response_schema") if getattr(tokenizer, name, None)]
         if parsed:
@@ -87,27 +93,41 @@ class StreamedGroups(Collector):
         self.rounds, self.prompt_stream, self.accelerator = rounds, prompt_stream, accelerator
         self.engine, self.score, self.tokenize, self.args = engine, score, tokenize, args
         self.target = target
-        self.state = StreamState(buffer)
+        self.state = StreamState(buffer, args.partial_rollout_max_age)
+        self.carried = self.state.carried if args.partial_rollouts else None
         self.num_generations = buffer.num_generations
         world = accelerator.num_processes
         self.group_multiple = world // math.gcd(self.num_generations, world)  # groups whose rows share over ranks
 
-    def collect(self, inputs: list[dict[str, Any]], step: int) -> tuple[RolloutBatch, SamplingStats]:
-        return self.state.fill(
-            self.target, lambda missing: self._stream(inputs, missing, step), step, self.group_multiple
-        )
+    def collect(self, inputs: list[dict[str, Any]], step: int) -> Collected:
+        engine_counts: list[
+            GenerationStats
+        ] = []  # the stream's, on this rank (none when the surplus covers the batch)
 
-    def _stream(self, inputs: list[dict[str, Any]], missing: int, step: int) -> tuple[RolloutBatch, SamplingStats]:
+        def stream(missing: int) -> tuple[RolloutBatch, SamplingStats]:
+            batch, stats, counts = self._stream(inputs, missing, step)
+            engine_counts.append(counts)
+            return batch, stats
+
+        batch, stats = self.state.fill(self.target, stream, step, self.group_multiple)
+        generation = GenerationStats()
+        for counts in [*engine_counts, *([self.carried.generation_counts()] if self.carried is not None else [])]:
+            generation += counts
+        return Collected(batch, stats, generation.summed(self.accelerator))
+
+    def _stream(
+        self, inputs: list[dict[str, Any]], missing: int, step: int
+    ) -> tuple[RolloutBatch, SamplingStats, GenerationStats]:
         """Stream this rank's prompts until the ranks' kept groups cover `missing`; return the global batch of kept
-        groups and the counts of every rank."""
+        groups, the counts of every rank and this rank's engine counts."""
         prompts = RankPrompts(inputs, self.prompt_stream, self.tokenize, self.accelerator, self.num_generations)
         outcome = self._run(prompts, missing, step)
         prompts.align()
         kept, stats = self._gathered(outcome)
         kept = self._shared_equally(kept, stats)
         if not kept:
-            return self._empty_rollout(), stats
-        return self._kept_round(kept), stats
+            return self._empty_rollout(), stats, outcome.generation
+        return self._kept_round(kept), stats, outcome.generation
 
     def _run(self, prompts: RankPrompts, missing: int, step: int) -> StreamOutcome:
         """One stream on this rank: the groups carried from the last batch first, then its prompts, within the
@@ -126,28 +146,32 @@ class StreamedGroups(Collector):
             sync_every=args.dynamic_sampling_stream_sync_every,
             in_flight=args.dynamic_sampling_in_flight,
             prior=(buffer.qualified_weight, buffer.generated_weight),
-            fill_rows=engine.max_rows if args.dynamic_sampling_in_flight == "carry" else 0,
+            fill_rows=engine.max_rows if args.partial_rollouts else 0,
+            step=step,
         )
         budget, max_in_flight = self._admission_limits(missing)
-        carried, aged_tokens = self.state.resume(step)
+        carried, aged = self.state.carried.resume(step)
         outcome = stream.run(missing, budget, max_in_flight, carried)
-        self.state.carry(outcome.carried, step)
+        self.state.carried.carry(outcome.carried)
         # the carried groups' tokens of this batch are kept for the next (surplus); those that aged out are untrained
+        aged_tokens = sum(sum(map(len, group.tokens)) for group in aged)
         outcome.stats.surplus_tokens = outcome.carried_tokens
         outcome.stats.untrained_tokens = aged_tokens
+        outcome.generation.aged_out_groups, outcome.generation.aged_out_tokens = len(aged), aged_tokens
         return outcome
 
     def _admission_limits(self, missing: int) -> tuple[int, int]:
         """`(budget, max_in_flight)` in groups over all ranks: the admission budget (`max_num_gen_batches` x
         `dynamic_sampling_max_oversample` generation batches; unlimited: a pass over the training set) and the most
-        groups in flight at once (the most one candidate round may hold, the same memory cap as in rounds)."""
+        groups in flight at once, carried ones included (the most one candidate round may hold, the same memory cap
+        as in rounds; with partial rollouts, `partial_rollout_max_in_flight` generation batches)."""
         args, dataset_prompts = self.args, self.prompt_stream.num_prompts
         if args.max_num_gen_batches:
             budget = math.ceil(args.max_num_gen_batches * args.dynamic_sampling_max_oversample * self.target)
         else:
             budget = dataset_prompts if dataset_prompts is not None else UNKNOWN_SIZE_STREAM_BATCHES * self.target
-        max_in_flight = max(math.ceil(args.dynamic_sampling_max_oversample * self.target), missing)
-        return max(budget, missing), max_in_flight
+        batches = args.partial_rollout_max_in_flight if args.partial_rollouts else args.dynamic_sampling_max_oversample
+        return max(budget, missing), in_flight_cap(batches, self.target, missing)
 
     def _gathered(self, outcome: StreamOutcome) -> tuple[list[StreamedGroup], SamplingStats]:
         """Every rank's kept groups, in rank then finish order, and the counts summed over the ranks; with unlimited
@@ -177,13 +201,15 @@ class StreamedGroups(Collector):
         """The kept groups through TRL's method: this rank's contiguous share of their rows, already generated and
         scored (`StreamedRows`); the global batch must keep every group informative."""
         rows = [(group, index) for group in kept for index in range(self.num_generations)]
+        width, device = token_sampling(self.args).max_new_tokens, self.accelerator.device
         share = len(rows) // self.accelerator.num_processes
         mine = rows[self.accelerator.process_index * share : (self.accelerator.process_index + 1) * share]
         streamed = StreamedRows(
             prompt_ids=[group.prompt_ids for group, _ in mine],
             completions=[group.completions[index] for group, index in mine],
-            logprobs=torch.stack([group.logprobs[index] for group, index in mine]).to(self.accelerator.device),
+            logprobs=torch.stack([padded(group.logprobs[index], width) for group, index in mine]).to(device),
             rewards=torch.stack([group.rewards[index] for group, index in mine]),
+            token_steps=torch.stack([group.token_steps(width)[index] for group, index in mine]),
         )
         kept_round = self.rounds.run([group.rows[index] for group, index in mine], False, streamed)
         if not bool(self.state.buffer.keep_groups(kept_round.metric.cpu(), self.num_generations).all()):
@@ -204,6 +230,7 @@ class StreamedGroups(Collector):
         empty = torch.zeros(0, 0, dtype=torch.long, device=device)
         batch = {key: empty for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
         batch["old_per_token_logps"] = torch.zeros(0, 0, device=device)
+        batch[SAMPLING_STEP] = empty
         if self.args.old_logprobs == "recompute":
             batch["sampling_per_token_logps"] = torch.zeros(0, 0, device=device)
             batch[OLD_LOGPROBS_STEP] = torch.zeros(0, dtype=torch.long, device=device)
@@ -230,7 +257,7 @@ class RankPrompts:
         row = next(self.own, None)
         if row is None:
             row, self.blocks = self.prompt_stream.take(self.world)[self.rank], self.blocks + 1
-        return row, list(self.tokenize(copy.deepcopy([row["prompt"]]))[0][0])
+        return row, prompt_token_ids(self.tokenize, row)
 
     def align(self) -> None:
         """Every rank's extra stream ends at the same position: the furthest any rank drew."""
@@ -240,13 +267,14 @@ class RankPrompts:
             self.prompt_stream.take(self.world * (furthest - self.blocks))
 
 
-def stream_without_engine(args, reason: str) -> ValueError:
-    """Stream mode on a set-up where the paged engine does not generate, and why."""
-    return ValueError(
-        "DAPOConfig.dynamic_sampling_mode='stream' refills the decode slots of trl-dapo's paged engine, which this "
-        f"trainer would not generate with (rollout_engine={args.rollout_engine!r}: {reason}). Set "
-        "rollout_engine='paged' (its CPU path works for tests), or dynamic_sampling_mode='rounds'."
-    )
+def padded(logprobs: torch.Tensor, width: int) -> torch.Tensor:
+    """A sample's logprobs (as carried: cut to its group's longest sample, or as wide as the engine's) at `width`."""
+    return F.pad(logprobs[:width], (0, max(0, width - logprobs.size(0))))
+
+
+def prompt_token_ids(tokenize: Callable[[list], tuple], row: dict[str, Any]) -> list[int]:
+    """A dataset row's prompt as TRL tokenizes it (`_tokenize_prompts`), on a copy: TRL may edit the messages."""
+    return list(tokenize(copy.deepcopy([row["prompt"]]))[0][0])
 
 
 def _check_reward_functions(reward_funcs: list, names: Sequence[str]) -> None:

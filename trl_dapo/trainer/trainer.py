@@ -12,8 +12,8 @@ token-mean, dynamic sampling and padding-free training. It keeps TRL's hooks and
 - `train`, `evaluation_loop`: padding-free, the model's attention goes through the packed dispatcher while they run
   and is set back after (the model is the caller's).
 - `log`: `dapo/skipped_steps` as the count it is. `_save_checkpoint` / `_load_optimizer_and_scheduler`: the
-  buffer's surplus, the prompt stream's position and the skipped-step count; inside a generation batch, each rank's
-  micro-batches still to train (`checkpoint_files.py`).
+  buffer's surplus, every rank's carried groups (partial rollouts), the prompt stream's position and the skipped-step
+  count; inside a generation batch, each rank's micro-batches still to train (`checkpoint_files.py`).
 """
 
 from __future__ import annotations
@@ -23,21 +23,15 @@ import os
 from typing import Any, ClassVar
 
 import torch
+from accelerate.utils import gather_object
 from torch import nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, TrainOutput
 from trl import GRPOTrainer
 
 from ..integrity import RolloutIntegrityError, check_rewards, checked_reward_function
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
-from ..rollout_batch import (
-    RolloutBatch,
-    num_rows,
-)
-from ..sampling import (
-    DynamicSamplingBuffer,
-    filter_groups,
-    make_prompt_stream,
-)
+from ..rollout_batch import SAMPLING_STEP, RolloutBatch, num_rows
+from ..sampling import DynamicSamplingBuffer, GenerationStats, filter_groups, make_prompt_stream
 from .batch_metrics import append_metrics, rollout_metrics, trained_batch_metric_names, trained_batch_metrics
 from .checkpoint_files import load_checkpoint_file, load_generation_batch, save_generation_batch
 from .config import DAPOConfig
@@ -102,9 +96,10 @@ class DAPOTrainer(GRPOTrainer):
             oversample=args.dynamic_sampling_oversample,
             max_oversample=args.dynamic_sampling_max_oversample,
         )
+        # extra prompts: dynamic sampling's extra rounds, and the rows partial rollouts admit beyond a batch
         self.prompt_stream = (
             make_prompt_stream(self.train_dataset, seed=args.seed + 1, shuffle=self.shuffle_dataset)
-            if args.dynamic_sampling
+            if args.dynamic_sampling or args.partial_rollouts
             else None
         )
         self.paged_engine = select_rollout_engine(engine_set_up(self))
@@ -136,7 +131,7 @@ class DAPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        if context.streamed is not None:  # stream mode: these rows are already generated
+        if context.streamed is not None:  # stream mode, a partial round: these rows are already generated
             if [list(ids) for ids in prompt_ids] != context.streamed.prompt_ids:
                 raise RolloutIntegrityError(
                     "stream mode: the prompts TRL tokenized differ from the ones the stream generated for."
@@ -151,15 +146,12 @@ class DAPOTrainer(GRPOTrainer):
         engine = self.engine_weights.current(self.state.global_step)
         output = engine.generate(prompt_ids, token_sampling(self.args))
         # The logprobs stay on the device for the round: as Python lists TRL would rebuild them row by row.
-        stats = output.stats
-        context.record_generation(
-            output.logprobs, (stats.busy_slot_steps, stats.pool_slot_steps, stats.prefill_tokens)
-        )
+        context.record_generation(output.logprobs, GenerationStats.from_engine(output.stats))
         return output.completions, None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         context = self.rounds.current
-        if context is None or context.streamed is None:
+        if context is None or context.streamed is None or context.streamed.rewards is None:
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         else:  # stream mode scored these rows as their groups ended: gather them as TRL gathers its own
             rewards_per_func = self.accelerator.gather(context.streamed.rewards.to(self.accelerator.device))
@@ -175,16 +167,19 @@ class DAPOTrainer(GRPOTrainer):
 
     def _collect_generation_batch(self, inputs: list[dict[str, Any]]) -> RolloutBatch:
         """The global generation batch (every rank's rows), from the collector the config chose (`collect.py`)."""
-        batch, stats = self.collector.collect(inputs, self.state.global_step)
-        # dynamic sampling: its counts, and TRL's metrics for the accepted groups; DAPO's rollout metrics in every mode
-        values = {} if stats is None else stats.metrics()
+        step = self.state.global_step
+        batch, sampling, generation = self.collector.collect(inputs, step)
+        # the engine's counts and what partial rollouts carried; dynamic sampling's counts, and TRL's metrics for the
+        # accepted groups; DAPO's rollout metrics in every mode
+        values = generation.metrics() | ({} if sampling is None else sampling.metrics())
         if num_rows(batch):
-            values |= rollout_metrics(batch, self.reward_func_names)
-            if stats is not None:
+            values |= rollout_metrics(batch, self.reward_func_names, step, self.num_generations)
+            if sampling is not None:
                 values |= trained_batch_metrics(
                     batch, self.reward_weights, self.reward_func_names, self.num_generations
                 )
         append_metrics(self._metrics["train"], values)
+        batch.pop(SAMPLING_STEP)  # read by the metrics only
         return batch
 
     # ------------------------------------------------------------------------------------------- micro-batches
@@ -242,23 +237,28 @@ class DAPOTrainer(GRPOTrainer):
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if position := self._step % self._generate_every():  # inside a generation batch
             save_generation_batch(folder, self.accelerator, position, self._buffered_inputs)
+        carried = self.collector.carried
+        # every rank's carried groups (each rank holds its own), gathered by every rank, written by the main one
+        every_rank = gather_object([carried.state_dict()]) if carried is not None else None
         if self.args.should_save:
             state = {
                 "buffer": self.sampling_buffer.state_dict(),
                 "prompt_stream": self.prompt_stream.state_dict() if self.prompt_stream is not None else None,
                 "skipped_steps": self.passes.skipped_steps,
+                "carried": every_rank,
             }
             torch.save(state, os.path.join(folder, SAMPLING_STATE_FILE))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         path = os.path.join(checkpoint, SAMPLING_STATE_FILE) if checkpoint else None
-        if path and not os.path.exists(path) and self.args.dynamic_sampling:
+        if path and not os.path.exists(path) and (self.args.dynamic_sampling or self.args.partial_rollouts):
             raise FileNotFoundError(
                 f"resume_from_checkpoint={checkpoint!r} has no {SAMPLING_STATE_FILE} (a GRPOTrainer checkpoint, or "
-                "not saved by DAPOTrainer): with dynamic_sampling=True, resuming would restart the surplus groups, the "
-                "extra-prompt stream (its prompts drawn again from the start) and dapo/skipped_steps from zero. Resume "
-                "from a checkpoint DAPOTrainer saved, start a new run from its weights (model=<the checkpoint "
-                "folder>), or resume with dynamic_sampling=False."
+                "not saved by DAPOTrainer): with dynamic_sampling=True or partial_rollouts=True, resuming would "
+                "restart the surplus and carried groups, the extra-prompt stream (its prompts drawn again from the "
+                "start) and dapo/skipped_steps from zero. Resume from a checkpoint DAPOTrainer saved, start a new run "
+                "from its weights (model=<the checkpoint folder>), or resume with dynamic_sampling=False and "
+                "partial_rollouts=False."
             )
         super()._load_optimizer_and_scheduler(checkpoint)
         if path and os.path.exists(path):
@@ -266,14 +266,31 @@ class DAPOTrainer(GRPOTrainer):
                 path,
                 checkpoint,
                 "Resume from an earlier checkpoint of this run, or start a new run from this checkpoint's weights "
-                "(model=<the checkpoint folder>); with dynamic_sampling=False, delete the file and resume (it holds "
-                "the dynamic-sampling surplus, the extra-prompt stream's position and dapo/skipped_steps).",
+                "(model=<the checkpoint folder>); with dynamic_sampling=False and partial_rollouts=False, delete the "
+                "file and resume (it holds the dynamic-sampling surplus, the carried groups of partial rollouts, the "
+                "extra-prompt stream's position and dapo/skipped_steps).",
             )
             self.sampling_buffer.load_state_dict(state["buffer"], self.accelerator.device)
             if self.prompt_stream is not None and state["prompt_stream"] is not None:
                 self.prompt_stream.load_state_dict(state["prompt_stream"])
             self.passes.skipped_steps = state["skipped_steps"]
+            self._load_carried(state.get("carried"), checkpoint)
         inside_batch = self.state.global_step * self.args.gradient_accumulation_steps % self._generate_every() != 0
         saved = load_generation_batch(checkpoint, self.accelerator, inside_batch) if checkpoint else None
         if saved is not None:  # train the rest of the saved generation batch before the next is generated
             self._buffered_inputs, self._step = saved
+
+    def _load_carried(self, every_rank: list[dict] | None, checkpoint: str) -> None:
+        """Each rank's carried groups back from the checkpoint (dealt anew on another number of ranks); a checkpoint
+        saved without partial rollouts has none, which a resumed run with them starts from, as the log says."""
+        carried = self.collector.carried
+        if carried is None:
+            return
+        if every_rank is None:
+            logger.warning(
+                "resume_from_checkpoint=%r was saved without partial rollouts: no groups are carried into the first "
+                "generation batch after it.",
+                checkpoint,
+            )
+            return
+        carried.load_state_dict(every_rank, self.accelerator.process_index, self.accelerator.num_processes)

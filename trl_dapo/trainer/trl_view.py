@@ -23,6 +23,7 @@ from ..models import base_model
 from ..rollout.sharded import parameter_gather
 from .collect import CandidateRounds, Collector, OneRound
 from .engine_choice import EngineSetUp
+from .partial import PartialCandidateRounds, PartialRoundRunner, PartialRounds
 from .round import TRLRounds
 from .scoring import FilterMetric, GroupScorer
 from .set_up import collection_strategy
@@ -92,15 +93,25 @@ def engine_set_up(trainer: GRPOTrainer) -> EngineSetUp:
 
 
 def collector(trainer: GRPOTrainer, rounds: TRLRounds, filter_metric: FilterMetric) -> Collector:
-    """The collector `dynamic_sampling` and `dynamic_sampling_mode` ask for, with its collaborators; which groups are
-    kept is the buffer's `keep_groups`, in rounds and in the stream."""
-    args, strategy = trainer.args, collection_strategy(trainer.args)
+    """The collector `dynamic_sampling`, `dynamic_sampling_mode` and `partial_rollouts` ask for, with its
+    collaborators; which groups are kept is the buffer's `keep_groups`, in rounds and in the stream."""
+    args, strategy, accelerator = trainer.args, collection_strategy(trainer.args), trainer.accelerator
     if strategy is OneRound:
-        return OneRound(rounds)
-    target = args.generation_batch_size // trainer.num_generations
-    common = (rounds, trainer.sampling_buffer, trainer.prompt_stream, trainer.accelerator)
+        return OneRound(rounds, accelerator)
+    G = trainer.num_generations
+    target = args.generation_batch_size // G
+    progress = accelerator.is_main_process and not args.disable_tqdm
+    if strategy in (PartialRounds, PartialCandidateRounds):
+        runner = PartialRoundRunner(
+            rounds, trainer.engine_weights, trainer.prompt_stream, trainer._tokenize_prompts, accelerator, args,
+            target, G,
+        )  # fmt: skip
+        if strategy is PartialRounds:
+            return PartialRounds(runner, accelerator, target, G)
+        return PartialCandidateRounds(runner, trainer.sampling_buffer, trainer.prompt_stream, accelerator, target,
+                                      progress)  # fmt: skip
+    common = (rounds, trainer.sampling_buffer, trainer.prompt_stream, accelerator)
     if strategy is CandidateRounds:
-        progress = trainer.accelerator.is_main_process and not args.disable_tqdm
         return CandidateRounds(*common, target, progress)
     names = trainer.reward_func_names
     StreamedGroups.check_built(args, trainer.engine_weights, trainer.reward_funcs, names, trainer._tokenizer)
