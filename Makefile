@@ -29,7 +29,7 @@ pip reports that as "No matching distribution" or "ResolutionImpossible". To ins
 endef
 export TORCH_INDEX_CHECK
 
-.PHONY: install install-deepspeed demo test lint format
+.PHONY: install demo test lint format
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,10 +42,6 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
-
-# DeepSpeed for the ZeRO accelerate configs, from its source distribution; the torch already in the venv satisfies it.
-install-deepspeed: install
-	$(PY) -m pip install -q -e ".[deepspeed]"
 
 demo: install
 	$(PY) recipes/dapo_math.py --config recipes/configs/tiny_cpu.yaml

@@ -103,7 +103,8 @@ def update_equivalence(args, model: str, folder: Path) -> list[dict]:
     return rows
 
 
-def rollout_speed(args, model: str, folder: Path) -> list[dict]:
+def rollout_speed(args, model: str, folder: Path, save) -> list[dict]:
+    """Each `config:generation` run, `save`d as soon as it is measured (a call cut short keeps what it measured)."""
     rows = []
     geometry = ["--rows-per-step", str(args.rows_per_step), "--ga", str(args.ga), "--new-tokens", str(args.new_tokens)]
     geometry += ["--variable-lengths"] * args.variable_lengths + [
@@ -134,6 +135,7 @@ def rollout_speed(args, model: str, folder: Path) -> list[dict]:
                 "peak_memory_gib_per_rank": [r["peak_memory_gib"] for r in ranks],
             }
         )
+        save(rows)
     # the baselines: the first run on TRL's path, and the one-GPU config
     trl = next((r for r in rows if r["generation"] == "trl"), None)
     single = next((r for r in rows if r["config"] == "single_gpu"), None)
@@ -183,7 +185,7 @@ def main() -> None:
     args = parser.parse_args()
     args.gradient_checkpointing = args.variable_lengths
     if args.rollout_runs is None:
-        configs = ["single_gpu", "ddp", "zero2", "zero3", "fsdp2"]
+        configs = ["single_gpu", "zero2", "fsdp2", "zero3", "ddp"]  # the 1.3x target's first
         default_runs = [f"{c}:engine" for c in configs] if args.variable_lengths else None
         args.rollout_runs = default_runs or ["zero3:engine", "zero2:engine", "fsdp2:engine", "zero3:trl"]
     if args.new_tokens is None:
@@ -191,12 +193,17 @@ def main() -> None:
     model = "qwen2.5-1.5b-v2048" if args.variable_lengths else "qwen2.5-0.5b" if args.rollout else "qwen2.5-1.5b"
     model = "tiny" if args.tiny else args.model or model
     folder = Path(tempfile.mkdtemp())
-    rows = rollout_speed(args, model, folder) if args.rollout else update_equivalence(args, model, folder)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     name = f"bench_multi_gpu{'_rollout' if args.rollout else ''}_{device}.json"
     output = Path(args.output or HERE / "results" / name)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"model": model, "rows": rows}, indent=2))
+    setup = {"model": model, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}
+
+    def save(rows: list[dict]) -> None:
+        output.write_text(json.dumps({**setup, "command": sys.argv[1:], "rows": rows}, indent=2))
+
+    rows = rollout_speed(args, model, folder, save) if args.rollout else update_equivalence(args, model, folder)
+    save(rows)
     print(f"wrote {output}")
 
 
