@@ -59,6 +59,32 @@ def first_token_parity(completion_ids, **kwargs) -> list[float]:
     return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]
 
 
+def alternating_reward(completion_ids, **kwargs) -> list[float]:
+    """0, 1, 0, 1, ... by row within each call: every group of an even size varies (with greedy rows too, whose samples
+    are all alike), and a group's rewards do not depend on its rank's share of rows (shares of an even size)."""
+    return [float(j % 2) for j in range(len(completion_ids))]
+
+
+def end_sooner(model, end_token_id: int, scale: float = 10.0):
+    """`model` (the tiny one, its embeddings tied to its output layer) with the end token's row scaled by `scale`:
+    its logit grows with how the last hidden state aligns with that row, so greedy rows end at lengths their prompt
+    sets (1 to 17 tokens over the arithmetic prompts at scale 10), where the tiny model's rows all run to the limit."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight[end_token_id] *= scale
+    return model
+
+
+def teacher_forced_logprobs(model, batch) -> torch.Tensor:
+    """log_softmax of a plain transformers forward at each completion token: an independent computation of what the
+    training model assigns to the sampled tokens."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    width = batch["completion_ids"].size(1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, -width - 1 : -1]
+    return logits.log_softmax(-1).gather(2, batch["completion_ids"].unsqueeze(2)).squeeze(2)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -7,12 +7,16 @@ import math
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from helpers import ScriptedStream
+from helpers import ScriptedStream, alternating_reward, arithmetic_prompts, dapo_args, teacher_forced_logprobs
+from trl_dapo import DAPOTrainer
 from trl_dapo.sampling import filter_groups
 from trl_dapo.sampling.carried import CarriedGroups
 from trl_dapo.sampling.partial_round import PartialRound, delivery_order
 from trl_dapo.sampling.stream import CarriedGroup, GroupStream, sampling_steps
+from trl_dapo.trainer.engine_choice import token_sampling
+from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE
 
 
 def scripted_round(streams: list, first: list[int], lengths: list[int], step: int, slots: int = 4) -> PartialRound:
@@ -170,3 +174,144 @@ def test_the_in_flight_cap_counts_generation_batches_and_covers_a_larger_round()
     assert in_flight_cap(3.0, batch_groups=8, target=8) == 24
     assert in_flight_cap(1.5, batch_groups=3, target=2) == math.ceil(4.5)
     assert in_flight_cap(3.0, batch_groups=8, target=32) == 32  # a candidate round of 4 batches
+
+
+# ----------------------------------------------------------------------------------------------- the trainer (CPU)
+
+
+def partial_trainer(model: str, output, **overrides) -> DAPOTrainer:
+    """Partial rollouts on the paged engine: batches of 4 groups of 2 greedy rows of the ending model (rows of 1 to 17
+    tokens), 24 slots (every group the in-flight cap admits decodes at once, none waits), the engine synchronising
+    every 2 decode steps, so rounds stop with rows in flight; every group informative (`alternating_reward`)."""
+    settings = dict(
+        num_generations=2, per_device_train_batch_size=8, max_completion_length=24, rollout_engine="paged",
+        partial_rollouts=True, rollout_max_rows=24, generation_kwargs={"do_sample": False}, max_steps=4,
+        learning_rate=0.1,
+    )  # fmt: skip
+    trainer = DAPOTrainer(
+        model=model, reward_funcs=alternating_reward, train_dataset=arithmetic_prompts(40),
+        args=dapo_args(output, **settings | overrides),
+    )  # fmt: skip
+    trainer.paged_engine.sync_every = 2
+    return trainer
+
+
+def record_batches(trainer: DAPOTrainer) -> list[tuple[int, dict, dict]]:
+    """Each generation batch as collected: `(optimizer step, every rank's rows with each token's sampling step, the
+    training model's weights that generated it)`."""
+    records, collect = [], trainer.collector.collect
+
+    def recorded(inputs, step):
+        weights = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+        collected = collect(inputs, step)
+        records.append((step, {key: value.clone() for key, value in collected.batch.items()}, weights))
+        return collected
+
+    trainer.collector.collect = recorded
+    return records
+
+
+def rows_of(batch: dict) -> list[tuple[list[int], list[int]]]:
+    """Each row's prompt and completion tokens."""
+    return [
+        (p[pm.bool()].tolist(), c[cm.bool()].tolist())
+        for p, pm, c, cm in zip(
+            batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], strict=True
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mode", "dynamic_sampling"),
+    [("rounds", False), ("rounds", True), ("stream", True)],
+    ids=["one", "rounds", "stream"],
+)
+def test_a_carried_row_ends_as_a_row_never_cut(ending_model, tmp_path, mode, dynamic_sampling):
+    """Same weights throughout (learning rate 0) and greedy rows: every trained row, carried over one or more steps or
+    not, holds the tokens and rollout logprobs the engine gives its prompt in one call never cut; every one ended
+    (EOS) before it was trained. With rounds, no group is trained twice or lost: the groups trained plus those still
+    carried are the groups admitted."""
+    trainer = partial_trainer(
+        ending_model, tmp_path, learning_rate=0.0, dynamic_sampling=dynamic_sampling, dynamic_sampling_mode=mode
+    )
+    records = record_batches(trainer)
+    trainer.train()
+    settings = token_sampling(trainer.args)
+    eos, carried_rows = trainer._tokenizer.eos_token_id, 0
+    for step, batch, _ in records:
+        rows = rows_of(batch)
+        uncut = trainer.paged_engine.generate([prompt for prompt, _ in rows], settings)
+        for row, (_, completion) in enumerate(rows):
+            assert completion == uncut.completions[row] and completion[-1] == eos
+            length = len(completion)
+            torch.testing.assert_close(
+                batch["old_per_token_logps"][row, :length], uncut.logprobs[row, :length], atol=1e-5, rtol=1e-5
+            )
+            carried_rows += bool((batch["sampling_step"][row, :length] < step).any())
+    assert carried_rows >= 8  # rows begun under an earlier step's weights and continued
+    if mode == "rounds":
+        carried = trainer.collector.carried
+        assert 4 * len(records) + len(carried) == carried.next_serial
+
+
+@pytest.mark.parametrize("old_logprobs", ["rollout", "recompute"])
+def test_each_token_keeps_the_logprob_of_the_policy_that_sampled_it(ending_model, tmp_path, old_logprobs):
+    """The weights move every step: a carried row's tokens were sampled by several steps' weights, and each token's
+    rollout logprob (the ratio's old policy with `old_logprobs="rollout"`; with `"recompute"`, what the mismatch
+    correction divides by) is the one the weights of its own step give it, teacher-forced, not the current step's.
+    `dapo/old_policy_token_share` counts those tokens."""
+    correction = {"rollout_correction": "token_truncate"} if old_logprobs == "recompute" else {}
+    trainer = partial_trainer(ending_model, tmp_path, old_logprobs=old_logprobs, generation_kwargs=None, **correction)
+    records = record_batches(trainer)
+    trainer.train()
+    key = "old_per_token_logps" if old_logprobs == "rollout" else "sampling_per_token_logps"
+    model = AutoModelForCausalLM.from_pretrained(ending_model)
+    weights_of = {step: weights for step, _, weights in records}
+    earlier_tokens = 0
+    shares = [entry["dapo/old_policy_token_share"] for entry in trainer.state.log_history if "loss" in entry]
+    for (step, batch, _), share in zip(records, shares, strict=True):
+        mask, sampled_at = batch["completion_mask"].bool(), batch["sampling_step"]
+        expected = torch.zeros_like(batch[key])
+        for sampler in sampled_at[mask].unique().tolist():
+            model.load_state_dict(weights_of[sampler])
+            chosen = mask & (sampled_at == sampler)
+            expected[chosen] = teacher_forced_logprobs(model, batch)[chosen]
+        torch.testing.assert_close(batch[key][mask], expected[mask], atol=1e-4, rtol=1e-4)
+        earlier = mask & (sampled_at < step)
+        if earlier.any():  # the current weights would give those tokens other logprobs
+            model.load_state_dict(weights_of[step])
+            assert (teacher_forced_logprobs(model, batch)[earlier] - batch[key][earlier]).abs().max() > 1e-3
+        earlier_tokens += int(earlier.sum())
+        assert share == pytest.approx(float(earlier.sum() / mask.sum()), abs=1e-4)
+    assert earlier_tokens >= 20
+
+
+@pytest.mark.parametrize("steps_per_generation", [1, 2])
+def test_a_resumed_run_continues_the_rows_its_checkpoint_carried(ending_model, tmp_path, steps_per_generation):
+    """3 optimizer steps straight against the first step's checkpoint resumed: the checkpoint holds the carried groups
+    (in `dapo_sampling_state.pt`), and the resumed run trains the straight run's later batches, their carried rows'
+    tokens and logprobs as they were sampled before the checkpoint, and ends with its parameters. With 2 steps per
+    generation batch the checkpoint falls inside one (its rest in the generation-batch file)."""
+    settings = dict(
+        max_steps=3, save_strategy="steps", save_steps=1, steps_per_generation=steps_per_generation,
+        per_device_train_batch_size=8 // steps_per_generation, generation_kwargs=None,
+    )  # fmt: skip
+    straight = partial_trainer(ending_model, tmp_path / "straight", **settings)
+    straight_batches = record_batches(straight)
+    straight.train()
+    checkpoint = tmp_path / "straight" / "checkpoint-1"
+    saved = torch.load(checkpoint / SAMPLING_STATE_FILE, weights_only=True)["carried"]
+    assert len(saved) == 1 and len(saved[0]["groups"]) > 0
+
+    resumed = partial_trainer(ending_model, tmp_path / "resumed", **settings)
+    resumed_batches = record_batches(resumed)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    later = straight_batches[1:]  # steps 1 and 2 with a batch per step; step 2 with one per 2 steps
+    assert [step for step, _, _ in resumed_batches] == [step for step, _, _ in later]
+    for (_, batch, _), (_, expected, _) in zip(resumed_batches, later, strict=True):
+        for key in ("completion_ids", "completion_mask", "old_per_token_logps", "sampling_step", "advantages"):
+            assert torch.equal(batch[key], expected[key]), key
+    first = resumed_batches[0][1]
+    assert (first["sampling_step"][first["completion_mask"].bool()] == 0).any()  # sampled before the checkpoint
+    for name, value in straight.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], value), name

@@ -11,7 +11,14 @@ from datasets import IterableDataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from helpers import arithmetic_prompts, dapo_args, first_token_parity, length_reward, trained_rows
+from helpers import (
+    arithmetic_prompts,
+    dapo_args,
+    first_token_parity,
+    length_reward,
+    teacher_forced_logprobs,
+    trained_rows,
+)
 from trl_dapo import DAPOTrainer
 from trl_dapo.data import arithmetic_dataset
 from trl_dapo.evaluation import MathAccuracyCallback
@@ -762,17 +769,6 @@ def test_a_round_context_takes_its_generations_then_one_scoring():
     scored_first.record_scores(scores)
     with pytest.raises(RuntimeError, match="or after scoring it"):
         scored_first.record_generation(torch.zeros(2, 3))
-
-
-def teacher_forced_logprobs(model, batch) -> torch.Tensor:
-    """log_softmax of a plain transformers forward at each completion token: an independent computation of what the
-    training model assigns to the sampled tokens."""
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    width = batch["completion_ids"].size(1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, -width - 1 : -1]
-    return logits.log_softmax(-1).gather(2, batch["completion_ids"].unsqueeze(2)).squeeze(2)
 
 
 def hand_weights(mode, log_rho, mask):

@@ -37,8 +37,10 @@ class CarriedGroups:
     def resume(self, step: int) -> tuple[list[CarriedGroup], list[CarriedGroup]]:
         """`(young, aged)`: the groups to resume at optimizer step `step`, and those too old to (dropped); empties
         the state, which the caller refills with what it carries on (`carry`)."""
-        young = [g for g in self.groups if self.max_age is None or g.birth < 0 or step - g.birth <= self.max_age]
-        aged = [group for group in self.groups if group not in young]
+        young, aged = [], []
+        for group in self.groups:
+            too_old = self.max_age is not None and group.birth >= 0 and step - group.birth > self.max_age
+            (aged if too_old else young).append(group)
         self.groups = []
         return young, aged
 
