@@ -196,6 +196,11 @@ def partial_trainer(model: str, output, **overrides) -> DAPOTrainer:
     return trainer
 
 
+# Sampled among each step's 3 likeliest tokens: the ending model's rows still end at varied lengths (1 to 24 tokens),
+# and the samples of a group differ, so the weights move (greedy samples of a group are alike: no gradient).
+SAMPLED = dict(generation_kwargs=None, top_k=3)
+
+
 def record_batches(trainer: DAPOTrainer) -> list[tuple[int, dict, dict]]:
     """Each generation batch as collected: `(optimizer step, every rank's rows with each token's sampling step, the
     training model's weights that generated it)`."""
@@ -261,13 +266,13 @@ def test_each_token_keeps_the_logprob_of_the_policy_that_sampled_it(ending_model
     correction divides by) is the one the weights of its own step give it, teacher-forced, not the current step's.
     `dapo/old_policy_token_share` counts those tokens."""
     correction = {"rollout_correction": "token_truncate"} if old_logprobs == "recompute" else {}
-    trainer = partial_trainer(ending_model, tmp_path, old_logprobs=old_logprobs, generation_kwargs=None, **correction)
+    trainer = partial_trainer(ending_model, tmp_path, old_logprobs=old_logprobs, **SAMPLED, **correction)
     records = record_batches(trainer)
     trainer.train()
     key = "old_per_token_logps" if old_logprobs == "rollout" else "sampling_per_token_logps"
     model = AutoModelForCausalLM.from_pretrained(ending_model)
     weights_of = {step: weights for step, _, weights in records}
-    earlier_tokens = 0
+    earlier_tokens = resumed_rows = 0  # rows resumed mid-way hold tokens of the current step and of an earlier one
     shares = [entry["dapo/old_policy_token_share"] for entry in trainer.state.log_history if "loss" in entry]
     for (step, batch, _), share in zip(records, shares, strict=True):
         mask, sampled_at = batch["completion_mask"].bool(), batch["sampling_step"]
@@ -282,8 +287,9 @@ def test_each_token_keeps_the_logprob_of_the_policy_that_sampled_it(ending_model
             model.load_state_dict(weights_of[step])
             assert (teacher_forced_logprobs(model, batch)[earlier] - batch[key][earlier]).abs().max() > 1e-3
         earlier_tokens += int(earlier.sum())
+        resumed_rows += int((earlier.any(1) & (mask & (sampled_at == step)).any(1)).sum())
         assert share == pytest.approx(float(earlier.sum() / mask.sum()), abs=1e-4)
-    assert earlier_tokens >= 20
+    assert earlier_tokens >= 20 and resumed_rows >= 2
 
 
 @pytest.mark.parametrize("steps_per_generation", [1, 2])
@@ -294,7 +300,7 @@ def test_a_resumed_run_continues_the_rows_its_checkpoint_carried(ending_model, t
     generation batch the checkpoint falls inside one (its rest in the generation-batch file)."""
     settings = dict(
         max_steps=3, save_strategy="steps", save_steps=1, steps_per_generation=steps_per_generation,
-        per_device_train_batch_size=8 // steps_per_generation, generation_kwargs=None,
+        per_device_train_batch_size=8 // steps_per_generation, **SAMPLED,
     )  # fmt: skip
     straight = partial_trainer(ending_model, tmp_path / "straight", **settings)
     straight_batches = record_batches(straight)
