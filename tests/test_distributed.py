@@ -230,3 +230,30 @@ def test_every_rank_can_build_and_load_the_tiny_model(tiny_model, tmp_path):
     assert all(rank["process_group"] for rank in ranks)
     expected = ranks[0]["own"]
     assert [(rank["own"], rank["shared"]) for rank in ranks] == [(expected, expected)] * 2  # one seeded model
+
+
+@pytest.mark.distributed
+def test_partial_rollouts_carry_and_resume_the_same_rows_on_two_ranks_as_on_one(runs):
+    """Greedy rows, 32 decode slots on each rank (the in-flight cap's 12 groups and a batch's 4 prompts, which enter
+    whatever the cap, decode at once: no row waits, on 1 rank or on 2, so where a row decodes does not change when it
+    ends): each round admits the same groups (each on the rank its place in the admission order names), sees each end
+    at the same agreement and delivers the same groups in the same order on 2 ranks as on 1, carried rows continuing on
+    the rank that holds them; the counts (carried groups and rows, tokens an older policy sampled, ages) summed over
+    the ranks are the 1-rank run's. Resumed from the first step's checkpoint (every rank's carried groups gathered into
+    it, each rank's handed back), a run trains the straight run's later batches and ends with its parameters."""
+    one, two = (run["partial_straight"] for run in runs)
+    assert len(one["rows"]) == 3 * 8 and one["rows"] == two["rows"]
+    for mine, theirs in zip(one["old_logprobs"], two["old_logprobs"], strict=True):
+        torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=0)
+    names = ("dapo/carried_groups", "dapo/carried_rows", "dapo/carried_tokens", "dapo/resumed_prefill_tokens",
+             "dapo/old_policy_token_share", "dapo/trained_group_age_max")  # fmt: skip
+    assert [[entry[name] for name in names] for entry in one["metrics"]] == [
+        [entry[name] for name in names] for entry in two["metrics"]
+    ]
+    assert all(entry["dapo/carried_rows"] > 0 for entry in two["metrics"])
+    assert two["metrics"][-1]["dapo/old_policy_token_share"] > 0
+    for world in runs:
+        straight, resumed = world["partial_straight"], world["partial_resumed"]
+        assert resumed["global_step"] == 3 and resumed["rows"] == straight["rows"][8:]
+        for name, value in straight["parameters"].items():
+            torch.testing.assert_close(resumed["parameters"][name], value, atol=0, rtol=0, msg=name)

@@ -181,11 +181,12 @@ def test_the_in_flight_cap_counts_generation_batches_and_covers_a_larger_round()
 
 def partial_trainer(model: str, output, **overrides) -> DAPOTrainer:
     """Partial rollouts on the paged engine: batches of 4 groups of 2 greedy rows of the ending model (rows of 1 to 17
-    tokens), 24 slots (every group the in-flight cap admits decodes at once, none waits), the engine synchronising
-    every 2 decode steps, so rounds stop with rows in flight; every group informative (`alternating_reward`)."""
+    tokens); 32 slots (the in-flight cap's 12 groups and a batch's 4 prompts, which enter whatever the cap, decode at
+    once: none waits); the engine synchronising every 2 decode steps, so rounds stop with rows in flight; every group
+    informative (`alternating_reward`)."""
     settings = dict(
         num_generations=2, per_device_train_batch_size=8, max_completion_length=24, rollout_engine="paged",
-        partial_rollouts=True, rollout_max_rows=24, generation_kwargs={"do_sample": False}, max_steps=4,
+        partial_rollouts=True, rollout_max_rows=32, generation_kwargs={"do_sample": False}, max_steps=4,
         learning_rate=0.1,
     )  # fmt: skip
     trainer = DAPOTrainer(
