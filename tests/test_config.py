@@ -37,6 +37,7 @@ def test_dapo_defaults():
     assert config.mask_truncated_completions is False
     assert config.max_surplus_age == 1  # one generation batch = one optimizer step by default
     assert config.dynamic_sampling_on_limit == "train_on_partial"
+    assert config.partial_rollouts is False  # off until the ablation measures its effect on learning
 
 
 def test_the_bare_config_works_on_one_process():
@@ -122,6 +123,16 @@ def test_oversample_accepts_auto_and_numbers():
         (dict(dynamic_sampling_stream_sync_every=4), "dynamic_sampling_stream_sync_every=4"),
         (dict(dynamic_sampling_mode="stream", dynamic_sampling_in_flight="wait"), "dynamic_sampling_in_flight="),
         (dict(dynamic_sampling_mode="stream", dynamic_sampling_stream_sync_every=0), "dynamic_sampling_stream_sync"),
+        (dict(partial_rollouts=True, partial_rollout_max_in_flight=1.0), "partial_rollout_max_in_flight=1.0"),
+        (dict(partial_rollout_max_age=2), "partial_rollout_max_age=2"),  # without partial rollouts: ignored
+        (dict(partial_rollout_max_in_flight=2.0), "partial_rollout_max_in_flight=2.0"),
+        (dict(partial_rollouts=True, rollout_engine="trl"), "partial_rollouts=True"),
+        (dict(partial_rollouts=True, use_vllm=True), "partial_rollouts=True"),
+        (dict(dynamic_sampling_in_flight="carry"), "dynamic_sampling_in_flight='carry'"),  # rounds mode
+        (
+            dict(partial_rollouts=True, dynamic_sampling_mode="stream", dynamic_sampling_in_flight="drop"),
+            "dynamic_sampling_in_flight='drop'",
+        ),
         (dict(old_logprobs="recompute", rollout_correction="geometric_mask"), "rollout_correction="),
         (
             dict(old_logprobs="recompute", rollout_correction="token_mask", rollout_correction_max=0.9),

@@ -322,3 +322,17 @@ def test_a_resumed_run_continues_the_rows_its_checkpoint_carried(ending_model, t
     assert (first["sampling_step"][first["completion_mask"].bool()] == 0).any()  # sampled before the checkpoint
     for name, value in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], value), name
+
+
+def test_partial_rollouts_need_the_paged_engine_and_are_stream_modes_carry(tiny_model, tmp_path):
+    """On the CPU `rollout_engine="auto"` generates with TRL's path, which cannot resume rows: refused before a model
+    loads, naming the way out. In stream mode `partial_rollouts=True` and `dynamic_sampling_in_flight="carry"` are
+    one switch: either sets the other."""
+    with pytest.raises(ValueError, match=r"^DAPOConfig.partial_rollouts=True needs trl-dapo's paged engine.*'auto': "):
+        DAPOTrainer(
+            model=tiny_model, reward_funcs=alternating_reward, train_dataset=arithmetic_prompts(8),
+            args=dapo_args(tmp_path, partial_rollouts=True),
+        )  # fmt: skip
+    stream = dict(dynamic_sampling_mode="stream", rollout_engine="paged")
+    assert dapo_args(tmp_path, dynamic_sampling_in_flight="carry", **stream).partial_rollouts
+    assert dapo_args(tmp_path, partial_rollouts=True, **stream).dynamic_sampling_in_flight == "carry"
