@@ -116,7 +116,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--max-rows", type=int, default=1024, help="the paged engine's decode slots")
     parser.add_argument(
-        "--max-surplus-age", type=int, help="optimizer steps surplus and carried groups live (default: one batch's)"
+        "--max-surplus-age",
+        type=int,
+        help="optimizer steps surplus groups live (default: one batch's; carried groups are never aged out)",
     )
     args = parser.parse_args()
     args.new_tokens = args.new_tokens or (4096 if args.variable_lengths else 256)

@@ -4,7 +4,7 @@ with the old policy recomputed; training MFU and decode bandwidth use against th
     python3 -m benchmarks.bench_step                       # CUDA: Qwen2.5-0.5B and 1.5B architectures, random init
     python3 -m benchmarks.bench_step --variable-lengths    # CUDA: 0.5B, 2,048-token vocabulary, up to 4,096 tokens
     python3 -m benchmarks.bench_step --tiny                # CPU smoke run on the tiny local model
-    python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_stream_carry   # the generation tail
+    python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_partial dapo_stream_carry  # partial rollouts
 
 Both trainers get the same random-init model, prompts, batch geometry and seed. By default generation lengths are
 pinned with `min_new_tokens = max_completion_length`, so both sides decode the same number of tokens. With
@@ -14,13 +14,13 @@ decodes. Tokens/s is the tokens generated over generation time (the completions'
 generated, its own count). Where the engine generated, a second table gives its calls per step: decode steps, the
 tail's share of them (steps with under a quarter of the engine's `--max-rows` slots busy), and the rows carried
 across steps by partial rollouts (left in flight at the end of a step, resumed with their prompt and tokens prefilled
-again). Prints the tables last and writes everything to `benchmarks/results/<name>.json` after every trainer.
+again), with the share of trained tokens an earlier step's weights sampled and the trained groups' age. Prints the
+tables last and writes everything to `benchmarks/results/<name>.json` after every trainer.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -37,7 +37,7 @@ from benchmarks.workload import (
     random_model,
     word_tokenizer,
 )
-from trl_dapo import DAPOConfig
+from trl_dapo.trainer.config import DEFAULT_MAX_IN_FLIGHT
 
 # The trainers a comparison runs, with their DAPOConfig overrides. On CUDA, DAPO generates with its engine; the same
 # DAPO trainer on TRL's generation path does exactly TRL's generation work, so its rest of the step against TRL's is
@@ -45,9 +45,9 @@ from trl_dapo import DAPOConfig
 # `dapo` trains padding-free (on CUDA its default; on the CPU the per-row reference attention), `dapo_padded` with
 # padded passes (`padding_free=False`), rows split evenly by count.
 # Partial rollouts (rows unfinished at the end of a step carried into the next, continued under the new weights):
-# `dapo_stream_carry` is stream mode's `dynamic_sampling_in_flight="carry"` (every group qualifies under the parity
-# reward, so it trains what `dapo` trains); `dapo_partial` the default rounds mode's, whose config fields are still to
-# come (asking for it before they exist is refused, naming them). Both on the paged engine (the CPU included).
+# `dapo_partial` in the default rounds mode (one round per step, stopped once the batch's groups have ended);
+# `dapo_stream_carry` in stream mode (every group qualifies under the parity reward, so it trains what `dapo` trains).
+# Both on the paged engine (the CPU included), with `--max-in-flight` and `--max-age`.
 COMPARISON_KINDS = {
     "trl": {},
     "dapo": {"padding_free": True},
@@ -57,20 +57,13 @@ COMPARISON_KINDS = {
     "dapo_stream_carry": {
         "padding_free": True,
         "rollout_engine": "paged",
+        "partial_rollouts": True,
         "dynamic_sampling": True,
         "dynamic_sampling_mode": "stream",
-        "dynamic_sampling_in_flight": "carry",
         "max_num_gen_batches": 0,
     },
 }
 CARRYING_KINDS = ("dapo_partial", "dapo_stream_carry")
-
-
-def missing_config_fields(kinds: list[str]) -> dict[str, list[str]]:
-    """The kinds whose settings name DAPOConfig fields this version does not have, with those fields."""
-    known = {field.name for field in dataclasses.fields(DAPOConfig)}
-    missing = {kind: [name for name in COMPARISON_KINDS[kind] if name not in known] for kind in kinds}
-    return {kind: names for kind, names in missing.items() if names}
 
 
 def per_kind(values: list[str], default: int) -> dict[str, int]:
@@ -182,11 +175,13 @@ def limits(config, setup, comparison, ceilings) -> dict:
 
 
 def tail_table(results: dict) -> str:
-    """Where trl-dapo's engine generated: its calls per measured step, and partial rollouts against none."""
+    """Where trl-dapo's engine generated: its calls per measured step, what partial rollouts carried and how old the
+    trained tokens' policies were (means of the measured steps' logged metrics), and partial rollouts against none."""
     lines = [
         "| model | trainer | step s | generation s | train s | decode steps | tail share | slots busy | "
-        "generated tok | left in flight: rows / tok | resumed: rows / prefill tok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "generated tok | left in flight: rows / tok | resumed: rows / prefill tok | older-policy tokens | "
+        "group age mean / max |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, comparison in results["models"].items():
         for kind in [kind for kind in COMPARISON_KINDS if comparison.get(kind, {}).get("engine")]:
@@ -196,16 +191,25 @@ def tail_table(results: dict) -> str:
                 f"{e['decode_steps_per_step']:.0f} | {e['tail_share']:.1%} | {e['slot_occupancy']:.1%} | "
                 f"{e['generated_tokens_per_step']:.0f} | {e['unfinished_rows_per_step']:.1f} / "
                 f"{e['unfinished_tokens_per_step']:.0f} | {e['resumed_rows_per_step']:.1f} / "
-                f"{e['resumed_prefill_tokens_per_step']:.0f} |"
+                f"{e['resumed_prefill_tokens_per_step']:.0f} | "
+                f"{mean_metric(r, 'dapo/old_policy_token_share'):.1%} | "
+                f"{mean_metric(r, 'dapo/trained_group_age_mean'):.1f} / "
+                f"{max((m.get('dapo/trained_group_age_max', 0) for m in r['metrics']), default=0):.0f} |"
             )
         for kind in CARRYING_KINDS:
             ratio = comparison.get(f"ratio_{kind}")
             if ratio:
                 lines.append(
                     f"| {name} | {kind}/dapo | {ratio['step_s']:.3f} | {ratio.get('generation_s', float('nan')):.3f} "
-                    f"| {ratio['train_s']:.3f} | | | | | | |"
+                    f"| {ratio['train_s']:.3f} | | | | | | | | |"
                 )
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def mean_metric(run: dict, name: str) -> float:
+    """A logged metric's mean over the measured steps (0 where it was not logged)."""
+    values = [entry.get(name, 0.0) for entry in run["metrics"]]
+    return sum(values) / len(values) if values else 0.0
 
 
 def table(results: dict) -> str:
@@ -306,10 +310,14 @@ def main() -> None:
         "counts against (default: the completions per step, so a round fills them; partial rollouts keep them full)",
     )  # fmt: skip
     parser.add_argument(
-        "--max-surplus-age", type=int, default=8,
-        help="the kinds carrying rows across steps: optimizer steps a carried group may age before it is dropped "
-        "(unlike DAPOConfig's default of one generation batch, long enough that none is at 1.5B, 8,192 tokens and "
-        "128 slots, where groups carry over up to about five steps)",
+        "--max-in-flight", type=float, default=DEFAULT_MAX_IN_FLIGHT,
+        help="the kinds carrying rows across steps: partial_rollout_max_in_flight, the most groups in flight in "
+        "generation batches (more keeps the slots busier and the trained groups older)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-age", type=int, default=None,
+        help="the kinds carrying rows across steps: partial_rollout_max_age, optimizer steps a carried group may age "
+        "before it is dropped (default: never; the in-flight cap bounds the age)",
     )  # fmt: skip
     args = parser.parse_args()
     variable = args.variable_lengths
@@ -321,23 +329,13 @@ def main() -> None:
 
     default_kinds = [k for k in COMPARISON_KINDS if k not in CARRYING_KINDS]
     kinds = args.kinds or (["dapo", "dapo_padded", "trl"] if variable else default_kinds)
-    missing = missing_config_fields(kinds)
-    if missing:  # before any model is built
-        raise SystemExit(
-            "--kinds: "
-            + "; ".join(
-                f"{kind} sets DAPOConfig fields this version does not have: {names}" for kind, names in missing.items()
-            )
-            + ". Partial rollouts in rounds mode come with those fields; run the other kinds (dapo_stream_carry "
-            "carries rows in stream mode)."
-        )
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if device != "cuda" and not args.kinds:
         kinds = [kind for kind in kinds if kind != "dapo_trl_generation"]  # on the CPU DAPO takes TRL's path anyway
     setup = batch_setup(args, device, pin_lengths=not variable, gradient_checkpointing=checkpointing)
     dapo_settings = {"rollout_max_rows": args.max_rows or setup["rows_per_step"]}
-    carry_settings = {"max_surplus_age": args.max_surplus_age}
+    carry_settings = {"partial_rollout_max_in_flight": args.max_in_flight, "partial_rollout_max_age": args.max_age}
     default_models = ["qwen2.5-0.5b-v2048"] if variable else ["qwen2.5-0.5b", "qwen2.5-1.5b"]
     configs = {name: config_path(name) for name in (["tiny"] if args.tiny else args.models or default_models)}
     output = ResultFile(args.output or default_output("bench_step", args.tiny, device), device, setup)

@@ -1,5 +1,6 @@
 """The benchmarks run end to end on the CPU (smoke runs, not timings) and count what they report correctly."""
 
+import itertools
 import json
 import math
 import subprocess
@@ -79,13 +80,18 @@ def test_bench_step_variable_lengths_counts_generated_tokens(tmp_path):
 def test_bench_step_counts_the_rows_stream_mode_carries_from_one_step_into_the_next(tmp_path):
     """`dapo_stream_carry` on the CPU (the paged engine, eager): 16 slots for batches of 4 groups of 2, so the stream
     keeps more groups in flight than a batch needs and stops with rows unfinished; the next step's stream resumes
-    exactly their tokens (carried groups may age 8 steps: none is dropped), prefilling each resumed row's prompt
-    (every prompt is 27 tokens: 24 words in the chat template) and tokens again."""
+    exactly their tokens (carried groups never age out by default), prefilling each resumed row's prompt (every prompt
+    is 27 tokens: 24 words in the chat template) and tokens again."""
     _, results = run_tiny(
         "bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo_stream_carry", "--prompts", "4",
         "--generations", "2", "--ga", "1", "--new-tokens", "96", "--max-rows", "16", "--warmup", "0", "--steps", "2",
     )  # fmt: skip
-    assert (results["setup"]["rollout_max_rows"], results["setup"]["max_surplus_age"]) == ("16", "8")
+    setup = results["setup"]
+    assert (setup["rollout_max_rows"], setup["partial_rollout_max_in_flight"], setup["partial_rollout_max_age"]) == (
+        "16",
+        "3.0",
+        "None",
+    )
     run = results["models"]["tiny"]["dapo_stream_carry"]
     engine = run["engine"]
     first, second = engine["calls"]  # one stream per step
@@ -105,12 +111,36 @@ def test_bench_step_counts_the_rows_stream_mode_carries_from_one_step_into_the_n
     assert math.isclose(run["generation_tokens_per_s"], engine["generated_tokens_per_step"] / run["generation_s"])
 
 
-def test_bench_step_refuses_a_kind_whose_config_fields_do_not_exist_yet(tmp_path):
-    output = tmp_path / "refused.json"
-    command = [sys.executable, "-m", "benchmarks.bench_step", "--tiny", "--kinds", "dapo", "dapo_partial"]
-    result = subprocess.run([*command, "--output", str(output)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode != 0 and not output.exists()  # refused before any trainer ran
-    assert "dapo_partial sets DAPOConfig fields this version does not have: ['partial_rollouts']" in result.stderr
+def test_bench_step_runs_partial_rollouts_beside_dapo_and_reports_what_they_carry(tmp_path):
+    """`dapo_partial` on the CPU's paged engine (and `dapo`, for the ratio line): batches of 4 groups of 2, 16 slots,
+    at most 2 batches of groups in flight, rows of up to 300 tokens (the random model ends one with probability about
+    1/366 per token, so they end at varied lengths). Each step's round stops once 4 groups have ended; a step may
+    find the 4 it needs among the groups carried whole (all ended) and generate nothing. The rows one call leaves in
+    flight are exactly the rows the next call resumes, each prefilled again with its prompt (27 tokens) and tokens;
+    the logged carried rows are the rows left in flight (none waited without a slot), and the tokens they brought
+    are trained as sampled by an earlier step."""
+    stdout, results = run_tiny(
+        "bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo", "dapo_partial", "--prompts", "4",
+        "--generations", "2", "--ga", "1", "--new-tokens", "300", "--max-rows", "16", "--max-in-flight", "2",
+        "--warmup", "0", "--steps", "4", "dapo=1",
+    )  # fmt: skip
+    models = results["models"]["tiny"]
+    run = models["dapo_partial"]
+    calls, metrics = run["engine"]["calls"], run["metrics"]
+    resumed = [(before, after) for before, after in itertools.pairwise(calls) if after["resumed_rows"]]
+    assert resumed, calls
+    for before, after in resumed:
+        assert after["step"] > before["step"]
+        assert (after["resumed_rows"], after["resumed_tokens"]) == (
+            before["unfinished_rows"],
+            before["unfinished_tokens"],
+        )
+        assert after["resumed_prefill_tokens"] == after["resumed_tokens"] + 27 * after["resumed_rows"]
+        assert metrics[before["step"]]["dapo/carried_rows"] == before["unfinished_rows"]
+        assert metrics[after["step"]]["dapo/resumed_prefill_tokens"] == after["resumed_prefill_tokens"]
+        assert metrics[after["step"]]["dapo/old_policy_token_share"] > 0
+    assert set(models["ratio_dapo_partial"]) >= {"step_s", "generation_s", "train_s"}
+    assert "| tiny | dapo_partial |" in stdout and "| tiny | dapo_partial/dapo |" in stdout
 
 
 def test_bench_sampling_tiny_runs_each_mode(tmp_path):
