@@ -1,17 +1,18 @@
 """The DAPO paper's ablation (Table 1) in small, with held-out accuracy, mechanism metrics and seeds, in one command.
 
     .venv/bin/python recipes/dapo_ablation.py --check            # the paper regime's preconditions (run first)
-    .venv/bin/python recipes/dapo_ablation.py                    # the study: 7 variants x 5 seeds on one GPU, 6 workers
+    .venv/bin/python recipes/dapo_ablation.py                    # the study: 8 variants x 5 seeds on one GPU, 6 workers
     .venv/bin/python recipes/dapo_ablation.py --regime miniature # the first study's settings
     .venv/bin/python recipes/dapo_ablation.py --smoke            # the same pipeline on the CPU, tiny, in well under a minute
 
 A Qwen2 of 17.7M parameters with a character tokenizer is built from scratch per seed, warm-started on worked
 scratchpad additions, then trained with RL by each variant of the ladder (`ablation/variants.py`): TRL's GRPOTrainer
-as naive GRPO, DAPO's pieces added one at a time, full DAPO, and full DAPO on the paged rollout engine. The regimes
-(`ablation/config.py`): `paper` (default), where each piece has something to act on, and `miniature`. Rerunning the
-same command on the same OUTPUT does only what is still missing (`ablation/study.py`); `--time-budget` ends a call by
-itself with what finished written. Writes OUTPUT/ablation.json (settings, the time and memory plans, versions, every
-run's curves and the summary), OUTPUT/ablation.png, and prints the tables; `docs/ablation.md` explains the method.
+as naive GRPO, DAPO's pieces added one at a time, full DAPO, full DAPO on the paged rollout engine, and that with
+partial rollouts. The regimes (`ablation/config.py`): `paper` (default), where each piece has something to act on,
+and `miniature`. Rerunning the same command on the same OUTPUT does only what is still missing (`ablation/study.py`);
+`--time-budget` ends a call by itself with what finished written. Writes OUTPUT/ablation.json (settings, the time and
+memory plans, versions, every run's curves and the summary), OUTPUT/ablation.png, and prints the tables;
+`docs/ablation.md` explains the method.
 """
 
 from __future__ import annotations

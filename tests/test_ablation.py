@@ -24,7 +24,7 @@ from ablation.check import measure
 from ablation.config import MINIATURE, PAPER, StudyConfig, smoke
 from ablation.model import build_char_tokenizer, build_model, warm_start
 from ablation.plan import GIB, MemoryPlanError, memory_plan, parameter_count
-from ablation.report import crossing, spread, summarize, t_quantile, window_means
+from ablation.report import crossing, format_targets, spread, summarize, t_quantile, window_means
 from ablation.study import deal
 from ablation.task import (
     AdditionProblem,
@@ -229,7 +229,8 @@ def test_ladder_adds_one_piece_per_variant(tmp_path):
     config = StudyConfig(device="cpu", bf16=False)
     tokenizer = build_char_tokenizer()
     assert [v.name for v in run_order(config)] == [
-        "grpo", "dynamic_sampling", "overlong_filter", "clip_higher", "soft_overlong", "token_level", "dapo_paged_engine"
+        "grpo", "dynamic_sampling", "overlong_filter", "clip_higher", "soft_overlong", "token_level", "dapo_paged_engine",
+        "dapo_partial",
     ]  # fmt: skip
     assert [v.name for v in run_order(config.with_overrides(variants=("clip_higher", "grpo")))] == [
         "grpo",
@@ -246,6 +247,8 @@ def test_ladder_adds_one_piece_per_variant(tmp_path):
     assert dapo.overlong_buffer_len == 32 and dapo.clip_ratio_c is None and dapo.dynamic_sampling_metric == "accuracy"
     assert not setups["token_level"][1].dynamic_sampling and setups["dapo_paged_engine"][1].rollout_engine == "paged"
     assert setups["dapo_paged_engine"][1].rollout_memory_fraction == 0.15  # the worker's share, not the device's
+    assert not setups["dapo_paged_engine"][1].partial_rollouts and setups["dapo_partial"][1].partial_rollouts
+    assert setups["dapo_partial"][1].rollout_engine == "paged" and setups["dapo_partial"][1].dynamic_sampling
     # same budget: every variant trains the same rows per optimizer step for the same steps
     geometry = {
         (a.per_device_train_batch_size, a.steps_per_generation, a.max_steps, a.learning_rate, a.num_generations)
@@ -367,6 +370,41 @@ def test_summary_pairs_runs_by_seed_reads_the_targets_and_reports_failures():
     assert lighter_time["paged_within_half_grpo_wall_clock"]  # seeds 0 and 1: 0.2 of GRPO's time
     left = summarize(config, records[:1])["left"]  # seeds 1 and 2 not run yet: every one of their runs is left
     assert left == [[seed, name] for seed in (1, 2) for name in ("grpo", "clip_higher", "dapo_paged_engine")]
+
+
+def test_partial_rollouts_are_read_against_the_paged_engine_seed_by_seed():
+    """Final avg@8 of the paged engine 0.6, 0.8, 0.5 and with partial rollouts 0.58, 0.80, 0.49: paired differences
+    -0.02, 0, -0.01, mean -0.01, sd 0.01, half-width 4.302653 * 0.01 / sqrt(3) = 0.024841, so the interval starts at
+    -0.034841, below -0.03: no loss is not shown. Wall-clock to the seed's paged final (which the paged run reaches at
+    its end, 20 s): partial rollouts reach seed 1's at 12 s (0.6 of 20 s), and never seed 0's or seed 2's
+    (infinite). With partial finals equal to the paged ones, each is reached at 12 s, and the interval is [0, 0]."""
+    config = StudyConfig(
+        device="cpu", variants=("dapo_paged_engine", "dapo_partial"), seeds=(0, 1, 2), max_steps=20, eval_every=20
+    )
+    paged = [_hand_run([(0, 0, start, 0.4, 0.2), (20, 20, final, 0.2, 0.1)]) for start, final in
+             ((0.4, 0.6), (0.6, 0.8), (0.3, 0.5))]  # fmt: skip
+    partial = [
+        _hand_run([(0, 0, 0.4, 0.4, 0.2), (20, 12, 0.58, 0.2, 0.1)]),
+        _hand_run([(0, 0, 0.6, 0.4, 0.2), (20, 12, 0.80, 0.2, 0.1)]),
+        _hand_run([(0, 0, 0.3, 0.4, 0.2), (20, 12, 0.49, 0.2, 0.1)]),
+    ]
+    records = [{"seed": seed, "runs": {"dapo_paged_engine": paged[seed], "dapo_partial": partial[seed]}}
+               for seed in (0, 1, 2)]  # fmt: skip
+    summary = summarize(config, records)
+    read = summary["targets_read"]["partial_rollouts"]
+    assert read["final_minus_paged"]["mean"] == pytest.approx(-0.01)
+    assert read["final_minus_paged"]["ci95"][0] == pytest.approx(-0.01 - 0.024841, abs=1e-5)
+    assert not read["no_loss"]
+    assert read["wall_clock_to_paged_final_over_paged"] == [math.inf, pytest.approx(0.6), math.inf]
+    assert read["equal_sharing"] == [True] * 3 and read["median_where_alike"] == math.inf
+    assert not read["sooner_where_alike"]
+    closer = [json.loads(json.dumps(r)) for r in records]  # partial's finals 0.60, 0.80, 0.50: no difference at all
+    for record, final in zip(closer, (0.60, 0.80, 0.50), strict=True):
+        record["runs"]["dapo_partial"]["curve"][-1]["avg@8"]["all"] = final
+    read = summarize(config, closer)["targets_read"]["partial_rollouts"]
+    assert read["no_loss"] and read["wall_clock_to_paged_final_over_paged"] == [pytest.approx(0.6)] * 3
+    assert read["sooner_where_alike"]
+    assert "dapo_partial minus dapo_paged_engine, final avg@8: +0.000" in format_targets(summarize(config, closer))
 
 
 def test_evaluation_masks_and_bucket_means():
@@ -522,7 +560,7 @@ def test_smoke_study_runs_end_to_end(smoke_study):
         assert mechanisms["clip_high"][0] is None and mechanisms["clip_high"][1]["n"] == 2  # per evaluation window
         assert 0.0 <= mechanisms["truncated"][1]["mean"] <= 1.0 and mechanisms["max_length"][1]["max"] <= 40
         generated = variant["generated_completions"]
-        if name in ("dynamic_sampling", "dapo_paged_engine"):  # at least one round, more when groups are filtered
+        if name in ("dynamic_sampling", "dapo_paged_engine", "dapo_partial"):  # a round or more (groups filtered)
             assert generated["min"] >= batch
         else:
             assert generated["min"] == generated["max"] == batch
@@ -560,9 +598,9 @@ def test_a_rerun_does_only_what_is_missing_and_checks_the_start_points(smoke_stu
     (runs / "seed1" / "clip_higher.json").unlink()
     stdout = run_smoke(output).stdout
     assert "[seed 0] start point in" in stdout and "[seed 0] grpo: ok" in stdout
-    assert "[seed 1] 6 earlier runs did not start from these weights" in stdout
+    assert f"[seed 1] {len(VARIANTS) - 1} earlier runs did not start from these weights" in stdout
     seed0 = [line for line in stdout.splitlines() if line.startswith("[seed 0]") and ": ok in" in line]
-    assert len(seed0) == 1  # the other six runs of seed 0 were kept, byte for byte
+    assert len(seed0) == 1  # the other runs of seed 0 were kept, byte for byte
     for name in VARIANTS[1:]:
         assert (runs / "seed0" / f"{name.name}.json").read_bytes() == before[Path("seed0", f"{name.name}.json")]
     new_start0 = json.loads((runs / "seed0" / "start.json").read_text())

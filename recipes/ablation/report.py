@@ -22,6 +22,10 @@ from .variants import VARIANTS, variants_of
 BASELINE = VARIANTS[0].name
 FULL_DAPO = ("dynamic_sampling", "dapo_paged_engine")
 PAGED = "dapo_paged_engine"
+PARTIAL = "dapo_partial"
+# Partial rollouts cost no learning when the paired difference of final held-out accuracy against the paged engine
+# without them has its 95% interval's lower end above this (issue 36's target).
+PARTIAL_MARGIN = -0.03
 # Held-out measures at each evaluation point (the policy's own samples on the same prompts for every variant).
 HELD_OUT_MECHANISMS = ("entropy", "truncated", "rechecked", "mean_length", "max_length")
 # Training measures, averaged over the optimizer steps since the evaluation before (`window_means`).
@@ -117,9 +121,9 @@ def completed_runs(records: list[dict], name: str) -> list[dict]:
     return [r["runs"][name] for r in records if _ok(r, name)]
 
 
-def _paired(records: list[dict], name: str, value) -> list[float]:
+def _paired(records: list[dict], name: str, value, baseline: str = BASELINE) -> list[float]:
     """`value(run) - value(baseline run)` per seed where both finished."""
-    return [value(r["runs"][name]) - value(r["runs"][BASELINE]) for r in records if _ok(r, name) and _ok(r, BASELINE)]
+    return [value(r["runs"][name]) - value(r["runs"][baseline]) for r in records if _ok(r, name) and _ok(r, baseline)]
 
 
 def summarize(config: StudyConfig, records: list[dict]) -> dict:
@@ -254,7 +258,34 @@ def read_targets(config: StudyConfig, records: list[dict], metric: str) -> dict:
         "median_where_alike": statistics.median(compared) if compared else None,
     }
     result["paged_within_half_grpo_wall_clock"] = bool(compared) and all(f <= 0.5 for f in compared)
+    result["partial_rollouts"] = read_partial_rollouts(records, metric)
     return result
+
+
+def read_partial_rollouts(records: list[dict], metric: str) -> dict:
+    """Partial rollouts against the paged engine without them (issue 36), per seed and over seeds: the paired
+    difference of final held-out `metric` with its 95% t interval (no loss in learning: the lower end above
+    `PARTIAL_MARGIN`), and, on the seeds whose two runs shared the device alike, each one's training wall-clock to the
+    seed's `dapo_paged_engine` final accuracy (partial over paged below 1: the same accuracy sooner; a seed where
+    partial rollouts never reach it counts as infinite)."""
+    difference = spread(_paired(records, PARTIAL, lambda run: run["curve"][-1][metric][OVERALL], baseline=PAGED))
+    ratios, equal_sharing = [], []
+    for record in records:
+        if _ok(record, PARTIAL) and _ok(record, PAGED):
+            partial, paged = record["runs"][PARTIAL], record["runs"][PAGED]
+            target = paged["curve"][-1][metric][OVERALL]
+            at, own = (crossing(run["curve"], metric, target, "wall_clock_s") for run in (partial, paged))
+            ratios.append(math.inf if at is None else at / own if own else math.nan)
+            equal_sharing.append(partial.get("memory_share") == paged.get("memory_share"))
+    compared = [ratio for ratio, equal in zip(ratios, equal_sharing, strict=True) if equal]
+    return {
+        "final_minus_paged": difference,
+        "no_loss": bool(difference and difference["ci95"] and difference["ci95"][0] > PARTIAL_MARGIN),
+        "wall_clock_to_paged_final_over_paged": ratios,
+        "equal_sharing": equal_sharing,
+        "median_where_alike": statistics.median(compared) if compared else None,
+        "sooner_where_alike": bool(compared) and all(ratio < 1 for ratio in compared),
+    }
 
 
 def _ok(record: dict, name: str) -> bool:
@@ -369,6 +400,14 @@ def format_targets(summary: dict) -> str:
         f"{[round(f, 2) for f in paged['by_seed']]} ({paged['reached']} reached; shared the device alike with GRPO's "
         f"run: {paged.get('equal_sharing')}); all within 1/2 where alike: {read['paged_within_half_grpo_wall_clock']}",
     ]
+    partial = read["partial_rollouts"]
+    if partial["final_minus_paged"] is not None:
+        lines.append(
+            f"- {PARTIAL} minus {PAGED}, final {summary['metric']}: {_signed(partial['final_minus_paged'])}; lower "
+            f"end above {PARTIAL_MARGIN}: {partial['no_loss']}; wall-clock to the seed's {PAGED} final over {PAGED}'s, "
+            f"by seed {[round(r, 2) for r in partial['wall_clock_to_paged_final_over_paged']]} (shared the device "
+            f"alike: {partial['equal_sharing']}); all below 1 where alike: {partial['sooner_where_alike']}"
+        )
     return "\n".join(lines)
 
 

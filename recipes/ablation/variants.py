@@ -10,9 +10,12 @@ variant keeping every piece of the one before.
 | `token_level` | `DAPOTrainer` | the exact token-mean over each optimizer step; dynamic sampling off |
 | `dynamic_sampling` | `DAPOTrainer` | dynamic sampling on accuracy: full DAPO |
 | `dapo_paged_engine` | `DAPOTrainer` | the same, generating with the package's paged engine |
+| `dapo_partial` | `DAPOTrainer` | partial rollouts: rounds stop once their groups ended, the rest carried |
 
 Every variant up to `dynamic_sampling` generates with TRL's path (transformers `generate`), so wall-clock compares
-the algorithms; `dapo_paged_engine` differs from `dynamic_sampling` in the generation engine alone. The dual clip of
+the algorithms; `dapo_paged_engine` differs from `dynamic_sampling` in the generation engine alone, `dapo_partial`
+from `dapo_paged_engine` in partial rollouts alone (`partial_rollouts=True`: whether they cost learning, and what they
+save in wall-clock). The dual clip of
 the reference recipe (`clip_ratio_c`) is in neither the paper's objective nor its table and is off everywhere.
 """
 
@@ -85,10 +88,13 @@ class Variant:
     token_level: bool = False  # DAPOTrainer and its token-mean; TRL's GRPOTrainer with loss_type="grpo" otherwise
     dynamic_sampling: bool = False
     rollout_engine: str = "trl"
+    partial_rollouts: bool = False
 
     def __post_init__(self) -> None:
         if (self.dynamic_sampling or self.rollout_engine != "trl") and not self.token_level:
             raise ValueError(f"variant {self.name}: dynamic sampling and the rollout engine need DAPOTrainer.")
+        if self.partial_rollouts and self.rollout_engine != "paged":
+            raise ValueError(f"variant {self.name}: partial rollouts need the paged rollout engine.")
 
 
 def _ladder() -> tuple[Variant, ...]:
@@ -100,6 +106,7 @@ def _ladder() -> tuple[Variant, ...]:
         ("token_level", "+ token-level loss", {"token_level": True}),
         ("dynamic_sampling", "+ dynamic sampling (DAPO)", {"dynamic_sampling": True}),
         ("dapo_paged_engine", "DAPO, paged rollout engine", {"rollout_engine": "paged"}),
+        ("dapo_partial", "+ partial rollouts (paged engine)", {"partial_rollouts": True}),
     ):
         rungs.append(replace(rungs[-1], name=name, adds=adds, **piece))
     return tuple(rungs)
@@ -232,6 +239,7 @@ def trainer_setup(
         dynamic_sampling_oversample=config.dynamic_sampling_oversample,
         dynamic_sampling_max_oversample=config.dynamic_sampling_max_oversample,
         rollout_engine=variant.rollout_engine,
+        partial_rollouts=variant.partial_rollouts,
         rollout_memory_fraction=memory_share,
         **values,
     )
