@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
@@ -58,6 +59,14 @@ class Collector:
     def collect(self, inputs: list[dict[str, Any]], step: int) -> Collected:
         raise NotImplementedError
 
+    def batch_generation(self, engine_counts: list[GenerationStats], accelerator) -> GenerationStats:
+        """What the engine did for one generation batch (this rank's `engine_counts`, one per call) and what this
+        rank carries on after it, summed over the ranks (every rank calls it)."""
+        generation = GenerationStats()
+        for counts in [*engine_counts, *([self.carried.generation_counts()] if self.carried is not None else [])]:
+            generation += counts
+        return generation.summed(accelerator)
+
 
 class OneRound(Collector):
     """No dynamic sampling: the dataloader's batch, trained as generated."""
@@ -67,7 +76,7 @@ class OneRound(Collector):
 
     def collect(self, inputs: list[dict[str, Any]], step: int) -> Collected:
         generated = self.rounds.run(inputs, trained_as_generated=True)
-        return Collected(generated.batch, None, generated.generation.summed(self.accelerator))
+        return Collected(generated.batch, None, self.batch_generation([generated.generation], self.accelerator))
 
 
 class CandidateRounds(Collector):
@@ -98,10 +107,7 @@ class CandidateRounds(Collector):
                 dataset_prompts=lambda: self.prompt_stream.num_prompts,
                 report=progress,
             )
-        generation = GenerationStats()
-        for counts in [*engine_counts, *([self.carried.generation_counts()] if self.carried is not None else [])]:
-            generation += counts
-        generation = generation.summed(self.accelerator)
+        generation = self.batch_generation(engine_counts, self.accelerator)
         self._account(stats, generation)
         return Collected(batch, stats, generation)
 
@@ -117,6 +123,14 @@ class CandidateRounds(Collector):
 
     def _account(self, stats: SamplingStats, generation: GenerationStats) -> None:
         """What the batch's generation counts (summed over ranks) correct in its sampling counts: nothing here."""
+
+
+def sum_over_ranks(accelerator, values: list[float]) -> list[float]:
+    """`values` summed over the ranks (one all-reduce; the ranks' agreement of a stream or a partial round)."""
+    if accelerator.num_processes == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    return accelerator.reduce(tensor, reduction="sum").tolist()
 
 
 class RoundProgress:

@@ -16,6 +16,7 @@ policy of the ratio) and, per token, the optimizer step whose weights sampled it
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from accelerate.utils import gather_object
 from ..sampling import DynamicSamplingBuffer, GenerationStats, SamplingStats
 from ..sampling.carried import CarriedGroups
 from ..sampling.partial_round import PartialRound, delivery_order, in_flight_cap
-from .collect import CandidateRounds, Collected, Collector
+from .collect import CandidateRounds, Collected, Collector, sum_over_ranks
 from .engine_choice import EngineWeights, check_paged_engine_settings, paged_engine_needed, token_sampling
 from .round import Round, StreamedRows, TRLRounds
 from .streamed import padded, prompt_token_ids
@@ -60,12 +61,8 @@ class PartialRoundRunner:
                 "partial_rollouts=False",
             )  # fmt: skip
         self.rounds, self.engine, self.prompt_stream, self.tokenize = rounds, engine, prompt_stream, tokenize
-        self.accelerator, self.args, self.batch_groups, self.num_generations = (
-            accelerator,
-            args,
-            batch_groups,
-            num_generations,
-        )
+        self.accelerator, self.args = accelerator, args
+        self.batch_groups, self.num_generations = batch_groups, num_generations
         self.carried = CarriedGroups(args.partial_rollout_max_age)
 
     def run(self, first_rows: list[dict[str, Any]], target: int, step: int, trained_as_generated: bool) -> Round:
@@ -80,7 +77,7 @@ class PartialRoundRunner:
             start=lambda prompt_ids, resumed: engine.stream(prompt_ids, settings, resumed),
             draw=order.draw,
             tokenize=lambda row: prompt_token_ids(self.tokenize, row),
-            agree=self._sum_over_ranks,
+            agree=functools.partial(sum_over_ranks, self.accelerator),
             num_generations=G,
             world=world,
             rank=rank,
@@ -110,12 +107,6 @@ class PartialRoundRunner:
         counts.aged_out_groups, counts.aged_out_tokens = len(aged), sum(sum(map(len, g.tokens)) for g in aged)
         return dataclasses.replace(generated, generation=counts)
 
-    def _sum_over_ranks(self, values: list[float]) -> list[float]:
-        if self.accelerator.num_processes == 1:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
-        return self.accelerator.reduce(tensor, reduction="sum").tolist()
-
 
 class AdmissionOrder:
     """A round's prompts in the order every rank admits them: its first rows (the dataloader's batch), then the prompt
@@ -142,9 +133,7 @@ class PartialRounds(Collector):
     def collect(self, inputs: list[dict[str, Any]], step: int) -> Collected:
         prompts = gather_object(inputs)[:: self.num_generations]  # the dataloader batch repeats each prompt G times
         delivered = self.runner.run(prompts, self.target, step, trained_as_generated=True)
-        generation = delivered.generation
-        generation += self.carried.generation_counts()
-        return Collected(delivered.batch, None, generation.summed(self.accelerator))
+        return Collected(delivered.batch, None, self.batch_generation([delivered.generation], self.accelerator))
 
 
 class PartialCandidateRounds(CandidateRounds):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -34,7 +35,7 @@ from ..sampling import (
 from ..sampling.partial_round import in_flight_cap
 from ..sampling.stream import GroupStream, StreamedGroup, StreamOutcome
 from ..sampling.stream_state import StreamState
-from .collect import Collected, Collector
+from .collect import Collected, Collector, sum_over_ranks
 from .engine_choice import EngineWeights, check_paged_engine_settings, paged_engine_needed, token_sampling
 from .round import StreamedRows, TRLRounds
 from .scoring import GroupScorer
@@ -110,10 +111,7 @@ class StreamedGroups(Collector):
             return batch, stats
 
         batch, stats = self.state.fill(self.target, stream, step, self.group_multiple)
-        generation = GenerationStats()
-        for counts in [*engine_counts, *([self.carried.generation_counts()] if self.carried is not None else [])]:
-            generation += counts
-        return Collected(batch, stats, generation.summed(self.accelerator))
+        return Collected(batch, stats, self.batch_generation(engine_counts, self.accelerator))
 
     def _stream(
         self, inputs: list[dict[str, Any]], missing: int, step: int
@@ -138,7 +136,7 @@ class StreamedGroups(Collector):
             start=lambda prompt_ids, resumed: engine.stream(prompt_ids, settings, resumed),
             next_prompt=prompts,
             score=self.score,
-            agree=self._sum_over_ranks,
+            agree=functools.partial(sum_over_ranks, self.accelerator),
             num_generations=self.num_generations,
             world=self.accelerator.num_processes,
             rank=self.accelerator.process_index,
@@ -217,12 +215,6 @@ class StreamedGroups(Collector):
                 "stream mode: a kept group is not informative once gathered; a rank lost rows."
             )
         return kept_round.batch
-
-    def _sum_over_ranks(self, values: list[float]) -> list[float]:
-        if self.accelerator.num_processes == 1:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
-        return self.accelerator.reduce(tensor, reduction="sum").tolist()
 
     def _empty_rollout(self) -> RolloutBatch:
         """A global batch of no rows with the keys a round's batch has (a stream that kept nothing)."""
