@@ -468,13 +468,10 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                     "carry",
                     "it acts in stream mode only; rounds mode carries the rows in flight with partial_rollouts=True.",
                 )
-            for name, default in (("dynamic_sampling_in_flight", "finish"), ("dynamic_sampling_stream_sync_every", 1)):
-                if getattr(self, name) != default:
-                    raise invalid_value(
-                        name,
-                        getattr(self, name),
-                        "it acts in stream mode only: set dynamic_sampling_mode='stream' or leave it at its default.",
-                    )
+            self._refuse_unless_default(
+                {"dynamic_sampling_in_flight": "finish", "dynamic_sampling_stream_sync_every": 1},
+                "it acts in stream mode only: set dynamic_sampling_mode='stream' or leave it at its default.",
+            )
             return
         if not self.dynamic_sampling:
             raise invalid_value(
@@ -497,16 +494,10 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         if self.dynamic_sampling_in_flight == "carry":
             self.partial_rollouts = True
         if not self.partial_rollouts:
-            for name, default in (
-                ("partial_rollout_max_in_flight", DEFAULT_MAX_IN_FLIGHT),
-                ("partial_rollout_max_age", None),
-            ):
-                if getattr(self, name) != default:
-                    raise invalid_value(
-                        name,
-                        getattr(self, name),
-                        "it acts with partial_rollouts=True only: set that, or leave this at its default.",
-                    )
+            self._refuse_unless_default(
+                {"partial_rollout_max_in_flight": DEFAULT_MAX_IN_FLIGHT, "partial_rollout_max_age": None},
+                "it acts with partial_rollouts=True only: set that, or leave this at its default.",
+            )
             return
         if self.dynamic_sampling_mode == "stream":
             if self.dynamic_sampling_in_flight == "drop":
@@ -518,6 +509,12 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 )
             self.dynamic_sampling_in_flight = "carry"
         self._check_paged_engine("partial_rollouts", True, "partial_rollouts=False")
+
+    def _refuse_unless_default(self, defaults: dict[str, object], why: str) -> None:
+        """Each field named in `defaults` at its default: it would be ignored here, which `why` says."""
+        for name, default in defaults.items():
+            if getattr(self, name) != default:
+                raise invalid_value(name, getattr(self, name), why)
 
     def _check_paged_engine(self, name: str, value: object, otherwise: str) -> None:
         """`name` (at `value`) needs trl-dapo's paged engine: an engine choice that rules it out is an error here,
