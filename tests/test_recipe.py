@@ -138,7 +138,7 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
         ),
         pytest.param(
             ["--dynamic_sampling_mode", "stream"],
-            r"dynamic_sampling_mode='stream' refills the decode slots .* without a CUDA device",
+            r"dynamic_sampling_mode='stream' needs trl-dapo's paged engine.* without a CUDA device",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the 'auto' engine is the paged one"),
         ),
     ],

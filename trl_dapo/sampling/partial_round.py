@@ -86,10 +86,11 @@ class PartialRound:
                 serial += count
             run.collect(run.step())
             run.agreements += 1
+        in_flight = run.in_flight()  # read from the stream before it closes
         outcome = run.close()
         return RoundOutcome(
             ended=outcome.ended,
-            in_flight=run.in_flight(),
+            in_flight=in_flight,
             next_serial=serial,
             generated_tokens=outcome.stats.generated_tokens,
             generation=outcome.generation,
