@@ -291,3 +291,24 @@ def test_check_logprob_gap_tiny_scores_every_sampled_token_and_agrees_in_float32
         assert set(out["before_after"]) == {"gap_mean", "gap_max", "kl_k3", "outside_clip_share"}
     merge = results["models"]["tiny:lora4"]["lora_merge"]
     assert merge["differing_share"] == 0 and merge["rounded_once_error"] == merge["rounded_twice_error"]  # float32
+
+
+def test_check_launch_config_rollout_finds_zero3_first_rollout_equal_to_single_gpu_on_cpu(tmp_path):
+    """The recipe's real loading path (transformers' zero.Init under DeepSpeed's ZeRO-3 plugin, the trainer's own
+    `deepspeed.initialize`) with the engine in bf16 as on CUDA: the engine's snapshot, rotary tables, noise generator,
+    prompts, sampled tokens and logprobs are bitwise `single_gpu`'s. With the CPU engine's own float32 the snapshot
+    keeps `single_gpu`'s float32 weights but ZeRO-3's bf16 ones, and the comparison reports it."""
+    pytest.importorskip("deepspeed")
+    output = tmp_path / "configs.json"
+    for engine_dtype, zero3_differs in (("bfloat16", set()), ("default", {"snapshot", "logprobs"})):
+        command = [
+            sys.executable, "-m", "benchmarks.check_launch_config_rollout", "--configs", "single_gpu", "zero3",
+            "--engine-dtype", engine_dtype, "--output", str(output),
+        ]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        runs = json.loads(output.read_text())["runs"]
+        compared = ("snapshot", "rotary", "rng_state", "prompts", "tokens", "logprobs")
+        assert {c for c in compared if runs["zero3#1"][c] is not None} == zero3_differs, runs["zero3#1"]
+        assert all(runs["single_gpu#0"][c] is None for c in compared)
+        assert runs["zero3#1"]["generated_tokens"] == runs["single_gpu#0"]["generated_tokens"] > 0
