@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -437,6 +438,25 @@ def test_the_engine_counts_its_tail_and_the_rows_it_resumes_and_leaves_unfinishe
     # every prompt once (the waiting row's and the fresh ones), the resumed rows, then what preemption recomputed
     assert stats.prefill_tokens > stats.resumed_prefill_tokens + len(batch[2]) + sum(map(len, fresh))
     assert stats.generated_tokens - stats.resumed_tokens == 8 * 16 - 12
+
+
+def test_closing_a_stream_frees_its_kv_pool_while_the_stream_is_still_referenced(model_and_tokenizer):
+    """A caller (or a cycle through a wrapper of its methods) may keep a closed stream alive; its KV pool, sized for
+    every slot, must not outlive `close` into the training passes. The outputs stay readable; decoding again is an
+    error."""
+    model, tokenizer = model_and_tokenizer
+    stream = engine_for(model, tokenizer, max_rows=4).stream(prompts(tokenizer, 2), TokenSampling(16, greedy=True))
+    stream.step()
+    pool = [weakref.ref(cache) for pair in stream._generation.caches for cache in pair]
+    assert all(ref() is not None for ref in pool)
+    tokens, _ = stream.outputs([0, 1])
+    stream.close()
+    assert all(ref() is None for ref in pool)
+    assert stream.outputs([0, 1])[0] == tokens
+    with pytest.raises(RuntimeError, match="the stream is closed"):
+        stream.step()
+    with pytest.raises(RuntimeError, match="the stream is closed"):
+        stream.add(prompts(tokenizer, 1))
 
 
 @pytest.mark.skipif(

@@ -440,6 +440,7 @@ class _Generation:
         self.hidden: dict[int, torch.Tensor] = {}  # last hidden state of each prefilled prefix still needed
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if engine.cuda_graph else None
+        self.released = False  # the KV pool and graphs freed (`release`)
         self.live = 0  # slots in use (the first `live` ones)
         self.max_length = 0  # longest context any running row can reach before the next synchronisation
 
@@ -460,6 +461,11 @@ class _Generation:
             progress.close()
         completions, logprobs = self.read(list(range(self.rows)))
         return GenerationOutput(completions, logprobs, self.finish_stats(timer))
+
+    def release(self) -> None:
+        """Free the KV pool, the captured graphs and the prefill states: once no row decodes again, only the outputs
+        stay (rows x max_new_tokens, small beside the pool)."""
+        self.caches, self.graphs, self.hidden, self.released = [], {}, {}, True
 
     def finish_stats(self, timer: _DeviceTimer) -> RolloutStats:
         """The call's statistics, with its device times and totals filled in."""
@@ -796,6 +802,7 @@ class RolloutStream:
         """Queue rows (a prompt repeated for each of its samples shares one prefill); returns their row indices.
         `resumed`: per row, tokens already sampled (by an earlier policy) and their logprobs, or empty ones: such a
         row continues after them, its KV recomputed under the current weights, its old logprobs kept as they were."""
+        self._check_open()
         if not prompt_ids or any(len(prompt) == 0 for prompt in prompt_ids):
             raise ValueError("add needs at least one prompt, and no prompt may be empty.")
         rows = self._generation.add_rows(prompt_ids, resumed)
@@ -806,11 +813,16 @@ class RolloutStream:
     def step(self) -> list[int]:
         """Admit waiting rows, decode up to `sync_every` steps, synchronise; the rows that ended since the last step
         (none once idle)."""
+        self._check_open()
         if not self._generation.done:
             self._generation.step(self._timer)
         ended = sorted(self._open - self._generation.unfinished_rows())
         self._open -= set(ended)
         return ended
+
+    def _check_open(self) -> None:
+        if self._generation.released:
+            raise RuntimeError("the stream is closed: its KV pool is freed, no row decodes again.")
 
     def outputs(self, rows: list[int]) -> tuple[list[list[int]], torch.Tensor]:
         """Completions of `rows` (each cut after its EOS; an unfinished row's tokens so far, at the last step's
@@ -819,11 +831,14 @@ class RolloutStream:
         return self._generation.read(rows)
 
     def close(self) -> RolloutStats:
-        """The call's statistics, with the rows left unfinished; the KV pool is freed with the stream."""
+        """The call's statistics, with the rows left unfinished. Frees the KV pool and the captured graphs now, not
+        when the stream is collected: a reference the caller still holds (or a cycle through it) would otherwise keep
+        a pool sized for every slot alive through the training passes that follow. Read outputs before closing."""
         scheduler = self._generation.scheduler
         unfinished = [*scheduler.running, *scheduler.waiting]
         stats = self._generation.finish_stats(self._timer)
         stats.unfinished_rows, stats.unfinished_tokens = len(unfinished), int(scheduler.generated[unfinished].sum())
+        self._generation.release()
         return stats
 
 
