@@ -247,9 +247,9 @@ def test_partial_rollouts_carry_and_resume_the_same_rows_on_two_ranks_as_on_one(
         torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=0)
     names = ("dapo/carried_groups", "dapo/carried_rows", "dapo/carried_tokens", "dapo/resumed_prefill_tokens",
              "dapo/old_policy_token_share", "dapo/trained_group_age_max")  # fmt: skip
-    assert [[entry[name] for name in names] for entry in one["metrics"]] == [
-        [entry[name] for name in names] for entry in two["metrics"]
-    ]
+    # a count is absent from a step with no engine call or nothing carried: zero
+    counts = [[entry.get(name, 0) for name in names] for entry in one["metrics"]]
+    assert counts == [[entry.get(name, 0) for name in names] for entry in two["metrics"]]
     assert all(entry["dapo/carried_rows"] > 0 for entry in two["metrics"])
     assert two["metrics"][-1]["dapo/old_policy_token_share"] > 0
     for world in runs:
