@@ -29,6 +29,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, Tr
 from trl import GRPOTrainer
 
 from ..integrity import RolloutIntegrityError, check_rewards, checked_reward_function
+from ..models import ensure_float32_rotary
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
 from ..rollout_batch import SAMPLING_STEP, RolloutBatch, num_rows
 from ..sampling import DynamicSamplingBuffer, GenerationStats, filter_groups, make_prompt_stream
@@ -71,6 +72,7 @@ class DAPOTrainer(GRPOTrainer):
         set_up = ("train_dataset", "eval_dataset", "tools", "rollout_func", "environment_factory")
         check_set_up(args, reward_funcs, **{name: kwargs.get(name) for name in set_up})  # before any model loads
         super().__init__(model, reward_funcs, args, **kwargs)
+        ensure_float32_rotary(self.model, built_by_trainer=isinstance(model, str))
         self.reward_funcs = [
             function if isinstance(function, nn.Module) else checked_reward_function(function, name)
             for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)
