@@ -14,12 +14,10 @@ with `ADAM_EPSILON`: with the default 1e-8 its first steps move every weight by 
 sign of its gradient, so an entry near zero that rounds to the other sign moves its weight the other way and the
 next steps sample other completions; a larger epsilon scales small gradients down instead.
 
-ZeRO-3 builds the model under DeepSpeed's `zero.Init`, which creates tensors on the GPU, so the model's rotary
-frequencies are computed there, not on the CPU, and may differ in their last bits (a known DeepSpeed-transformers
-difference; `benchmarks/check_launch_config_rollout.py` compares what the engine read). Its model is then another
-model by rounding, whose first rollout may sample a token differently (on an H100, 2026-12-05: 319 tokens against
-320): its first step is held to the same groups, the generated tokens within `ZERO3_FIRST_STEP_TOKENS` and the
-gradient norm within `ZERO3_FIRST_STEP_GRAD_NORM`; its later steps to the tolerances above.
+ZeRO-3 builds the model under DeepSpeed's `zero.Init`, which casts the buffers a module creates to bf16: the rotary
+frequencies were bf16 there (cos / sin off by up to 0.36), and before any update ZeRO-3's engine sampled 319 tokens
+where `single_gpu`'s sampled 320 (an H100, 2026-12-06, `benchmarks/check_launch_config_rollout.py`). The trainer
+rebuilds them in float32 (`trl_dapo/models.py`), so ZeRO-3 is held to the same comparison as every config.
 
 The runs share the GPU (each process's engine takes a tenth of its memory) and run at once. With
 `TRL_DAPO_TEST_REPORT=<folder>` the logged steps of every run are written there (`launch_configs.json`).
@@ -46,8 +44,6 @@ STEPS = 3
 LOSS_TOLERANCE = 2**-7
 GRAD_NORM_TOLERANCE = 2**-5
 ADAM_EPSILON = "1e-2"  # early Adam steps scale the gradient instead of following its sign (see the docstring)
-ZERO3_FIRST_STEP_TOKENS = 0.01  # relative: a token sampled differently ends its row at another length
-ZERO3_FIRST_STEP_GRAD_NORM = 2**-3  # relative: one completion of 64 differs (H100: +3.9%, with LoRA +10.1%)
 LORA = ("--use_peft", "--lora_r", "8", "--lora_alpha", "16")
 RUNS = {
     "single_gpu": ("single_gpu", ()),
@@ -140,11 +136,7 @@ def test_each_launch_config_matches_single_gpu_on_the_first_steps(runs, name):
     steps = runs[name]["steps"]
     assert len(steps) == len(reference) == STEPS
     for index, (step, expected) in enumerate(zip(steps, reference, strict=True), start=1):
-        rounding_model = name.startswith("zero3") and index == 1  # its rotary frequencies (see the docstring)
-        for metric in ("dapo/qualified_groups", "dapo/filtered_groups"):
-            assert step[metric] == expected[metric], (index, metric)  # the same groups
-        tokens = ZERO3_FIRST_STEP_TOKENS if rounding_model else 0
-        assert step["dapo/generated_tokens"] == pytest.approx(expected["dapo/generated_tokens"], rel=tokens), index
+        for metric in ("dapo/qualified_groups", "dapo/filtered_groups", "dapo/generated_tokens"):
+            assert step[metric] == expected[metric], (index, metric)  # the same generations and groups
         assert step["loss"] == pytest.approx(expected["loss"], abs=LOSS_TOLERANCE), index
-        grad_norm = ZERO3_FIRST_STEP_GRAD_NORM if rounding_model else GRAD_NORM_TOLERANCE
-        assert step["grad_norm"] == pytest.approx(expected["grad_norm"], rel=grad_norm), index
+        assert step["grad_norm"] == pytest.approx(expected["grad_norm"], rel=GRAD_NORM_TOLERANCE), index
