@@ -154,9 +154,8 @@ def record_engine_calls(engine, step, calls: list[dict], stream_times: list[tupl
         close = opened.close
 
         def timed_close():
-            del (
-                opened.close
-            )  # this closure refers to the stream: a cycle would keep its KV pool until a full collection
+            # this closure refers to the stream: left on it, the cycle would keep it until a full collection
+            del opened.close
             stats = close()
             synchronize()
             seconds = time.perf_counter() - start
