@@ -37,8 +37,8 @@ from benchmarks.result_file import ResultFile, default_output, finish
 from benchmarks.timing import copy_bandwidth, timed_call
 from benchmarks.workload import EOS_TOKEN_ID, PAD_TOKEN_ID, token_prompts
 from trl_dapo.rollout import PagedRolloutEngine, TokenSampling
+from trl_dapo.rollout.generation import slot_bucket
 from trl_dapo.rollout.paged_attention import num_splits, reference_decode_attention, triton_decode_attention
-from trl_dapo.rollout.paged_engine import slot_bucket
 from trl_dapo.rollout.token_sampling import sampling_noise
 
 PROFILED_TOKENS = 64  # at most, per row, in the profiled calls

@@ -15,7 +15,7 @@ import torch
 from datasets import Dataset
 
 from trl_dapo import DAPOConfig
-from trl_dapo.rollout.paged_engine import RolloutStats
+from trl_dapo.rollout.generation import RolloutStats
 
 TESTS = Path(__file__).parent
 ACCELERATE_CONFIGS = TESTS.parent / "recipes" / "accelerate"

@@ -4,7 +4,8 @@ Which generation path a trainer uses is the trainer's choice (`trl_dapo/trainer/
 from __future__ import annotations
 
 from .architectures import SUPPORTED_MODEL_TYPES
-from .paged_engine import GenerationOutput, PagedRolloutEngine, RolloutStats, RolloutStream
+from .generation import GenerationOutput, RolloutStats
+from .paged_engine import PagedRolloutEngine, RolloutStream
 from .token_sampling import TokenSampling
 
 __all__ = [
