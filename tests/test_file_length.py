@@ -19,7 +19,9 @@ def long_modules(folder: Path, limit: int) -> dict[str, int]:
 
 
 def test_no_module_of_the_rollout_engine_is_longer_than_the_limit():
-    assert long_modules(ROLLOUT, MAX_LINES) == {}, f"cut these modules where their parts meet, at most {MAX_LINES} lines"
+    assert long_modules(ROLLOUT, MAX_LINES) == {}, (
+        f"cut these modules where their parts meet, at most {MAX_LINES} lines"
+    )
 
 
 def test_a_module_is_measured_in_lines(tmp_path):

@@ -447,7 +447,7 @@ def test_closing_a_stream_frees_its_kv_pool_while_the_stream_is_still_referenced
     model, tokenizer = model_and_tokenizer
     stream = engine_for(model, tokenizer, max_rows=4).stream(prompts(tokenizer, 2), TokenSampling(16, greedy=True))
     stream.step()
-    pool = [weakref.ref(cache) for pair in stream._generation.caches for cache in pair]
+    pool = [weakref.ref(tensor) for cache in stream._generation.caches for tensor in cache if tensor is not None]
     assert all(ref() is not None for ref in pool)
     tokens, _ = stream.outputs([0, 1])
     stream.close()

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .fp8 import LayerCache
 from .paged_attention import num_splits, reference_decode_attention, triton_decode_attention
 from .scheduler import Prefix, Scheduler
 from .token_sampling import TokenSampling, sampling_noise
@@ -131,12 +132,9 @@ class Generation:
         # one extra page at the end takes the writes of idle slots and padding; zeros, so that unwritten entries of a
         # page (read and masked out by the reference attention) are finite
         self.trash_slot = num_pages * page_size
-        shape = (num_pages * page_size + page_size, engine.num_kv_heads, engine.head_dim)
+        slots = num_pages * page_size + page_size
         self.caches = [
-            (
-                torch.zeros(shape, dtype=engine.dtype, device=device),
-                torch.zeros(shape, dtype=engine.dtype, device=device),
-            )
+            LayerCache.empty(slots, engine.num_kv_heads, engine.head_dim, engine.dtype, engine.fp8_kv_cache, device)
             for _ in engine.snapshot.layers
         ]
         self.slot_count = slot_bucket(min(self.rows, engine.max_rows), engine.max_rows)
@@ -258,8 +256,8 @@ class Generation:
                 torch.tensor(pages, dtype=torch.long, device=device) for pages in zip(*admission.copies, strict=True)
             )
             source, target = (self._page_slots(pages) for pages in (source, target))
-            for k_cache, v_cache in self.caches:
-                k_cache[target], v_cache[target] = k_cache[source], v_cache[source]
+            for cache in self.caches:
+                cache.copy(target, source)
         if admission.rows:
             self._start_rows(admission.rows, admission.prefixes)
         scheduler.complete(admission)  # queued after the prefill and copies that read those pages
@@ -390,8 +388,8 @@ class Generation:
         cos, sin = engine.cos[positions], engine.sin[positions]
         group = engine.num_heads // engine.num_kv_heads
         x, delta = F.embedding(ids_t, engine.snapshot.embed), None
-        for layer, (k_cache, v_cache) in zip(engine.snapshot.layers, self.caches, strict=True):
-            q, k, v, x = engine._attention_inputs(x, delta, cos, sin, slots_t, k_cache, v_cache, layer)
+        for layer, cache in zip(engine.snapshot.layers, self.caches, strict=True):
+            q, k, v, x = engine._attention_inputs(x, delta, cos, sin, slots_t, *cache, layer)
             q = q.view(count, width, engine.num_heads, engine.head_dim).transpose(1, 2)
             k = k.view(count, width, engine.num_kv_heads, engine.head_dim).transpose(1, 2)
             v = v.view(count, width, engine.num_kv_heads, engine.head_dim).transpose(1, 2)
@@ -419,14 +417,15 @@ class Generation:
         splits = num_splits(bucket, engine.num_kv_heads, engine.device) if use_triton else 0
         down_bias = engine.down_bias(bucket)
         x, delta = F.embedding(tokens, engine.snapshot.embed), None
-        for layer, (k_cache, v_cache) in zip(engine.snapshot.layers, self.caches, strict=True):
+        for layer, cache in zip(engine.snapshot.layers, self.caches, strict=True):
             qkv, x = engine._decode_qkv(x, delta, layer)
             heads, norm, eps = engine.num_heads, engine.architecture.qk_norm(layer), engine.eps
-            new_token = (qkv, cos, sin, write, k_cache, v_cache, table, lengths, page_size, heads, norm, eps)
+            new_token = (qkv, cos, sin, write, cache.k, cache.v, table, lengths, page_size, heads, norm, eps)
+            scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
             if use_triton:
-                attention = triton_decode_attention(*new_token, splits)
+                attention = triton_decode_attention(*new_token, splits, **scales)
             else:
-                attention = reference_decode_attention(*new_token, self.max_length)
+                attention = reference_decode_attention(*new_token, self.max_length, **scales)
             x, hidden = engine._layer_output(x, engine._output_projection(attention, layer), layer)
             delta = engine._down_projection(hidden, layer, down_bias)
         hidden = engine._final_norm(x, delta, engine.snapshot.final_norm)

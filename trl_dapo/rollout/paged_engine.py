@@ -16,8 +16,9 @@ cache preallocated at rows x maximum length runs out of memory. Here:
   projections and the sampling head are compiled with `torch.compile`.
 
 The weights are a bf16 snapshot of the training model (`weights.py`, LoRA merged), refreshed in place once per
-generation batch. What differs between model families (a layer's weight names, q/k norms, the MLP's activation, the
-rotary tables) is the model's architecture (`architectures/`); the layer loops here are shared. The logprob of each
+generation batch; the KV cache and the decoder layers' linear weights can be FP8 (`fp8.py`). What differs between
+model families (a layer's weight names, q/k norms, the MLP's activation, the rotary tables) is the model's
+architecture (`architectures/`); the layer loops here are shared. The logprob of each
 sampled token is `log_softmax(logits / temperature)` (`token_sampling.py`): the old policy of the DAPO ratio.
 """
 
@@ -27,10 +28,19 @@ import logging
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..models import base_model
 from .architectures import architecture_for
+from .fp8 import (
+    FP8_LINEARS,
+    KV_CACHE_DTYPES,
+    WEIGHTS_DTYPES,
+    LayerCache,
+    cache_bytes_per_token,
+    fp8_unsupported_reason,
+    linear,
+    quantize_linears,
+)
 from .generation import DeviceTimer, Generation, GenerationOutput, RolloutStats, on_side_stream, slot_bucket
 from .paged_attention import rms_norm, rotated_heads, triton
 from .token_sampling import TokenSampling, pick_tokens, stop_table
@@ -70,6 +80,8 @@ class PagedRolloutEngine:
         show_progress: bool = False,
         device: torch.device | None = None,
         gather=gather_nothing,
+        kv_cache_dtype: str = "bf16",
+        weights_dtype: str = "bf16",
     ) -> None:
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1].")
@@ -79,6 +91,7 @@ class PagedRolloutEngine:
             raise ValueError(f"attention_kernel={attention_kernel!r} must be one of {ATTENTION_KERNELS} or None.")
         self.architecture = architecture_for(base_model(model))
         self.snapshot = WeightSnapshot(model, dtype, self.architecture, device=device, gather=gather)
+        self._set_fp8(kv_cache_dtype, weights_dtype)
         config = self.snapshot.config
         self.device, self.dtype, self.cuda_graph = self.snapshot.device, dtype, cuda_graph
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
@@ -109,16 +122,42 @@ class PagedRolloutEngine:
             # one compile serves every row count, cache size and prefill chunk (the sizes that vary are symbolic; a
             # compile specialised to them would recompile inside the next call, whose pool differs), and every layer
             # but the first, which has no delta to add and its own; the sampling head fuses its vocabulary passes
-            self._attention_inputs = _compile_with_rows(self._qkv, (0, 1, 2, 3, 4, 5, 6))  # x, delta, cos, ... caches
+            self._attention_inputs = _compile_with_rows(self._qkv, tuple(range(9)))  # x, delta, cos, ... scales
             # decode compiles the projection alone: the attention kernel rotates q and k and writes the cache
             self._decode_qkv = _compile_with_rows(self._normed_qkv, (0, 1))
             self._layer_output = _compile_with_rows(self._mlp, (0, 1))
             self._final_norm = _compile_with_rows(self._residual_norm, (0, 1))
             self._pick = _compile_with_rows(pick_tokens, (0, 2, 5))  # hidden, noise, generated
 
+    def _set_fp8(self, kv_cache_dtype: str, weights_dtype: str) -> None:
+        """FP8 (`fp8.py`) for the KV cache and / or the decoder layers' linear weights ("bf16": the engine's dtype),
+        where the device runs it: the weights need FP8 tensor cores, the cache Triton's e4m3 on CUDA (the CPU's
+        reference attention reads an FP8 cache too)."""
+        for name, value, choices in (
+            ("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES),
+            ("weights_dtype", weights_dtype, WEIGHTS_DTYPES),
+        ):
+            if value not in choices:
+                raise ValueError(f"{name}={value!r} must be one of {choices}.")
+        reason = fp8_unsupported_reason(self.snapshot.device)
+        if reason is not None and (
+            weights_dtype == "fp8" or (kv_cache_dtype == "fp8" and self.snapshot.device.type == "cuda")
+        ):
+            name = "weights_dtype" if weights_dtype == "fp8" else "kv_cache_dtype"
+            raise ValueError(f"{name}='fp8' cannot run here: {reason}; use 'bf16'.")
+        self.fp8_kv_cache, self.fp8_weights = kv_cache_dtype == "fp8", weights_dtype == "fp8"
+        if self.fp8_weights:
+            shapes = {tuple(self.snapshot.layers[0][name].shape) for name in FP8_LINEARS}
+            if any(size % 16 for shape in shapes for size in shape):
+                raise ValueError(f"weights_dtype='fp8' needs the linear layers' sizes in multiples of 16: {shapes}.")
+            quantize_linears(self.snapshot.layers)
+
     def sync_weights(self, model) -> None:
-        """Copy the training weights into the snapshot the engine reads (once per generation batch)."""
+        """Copy the training weights into the snapshot the engine reads (once per generation batch), and quantise
+        the copy in place with FP8 weights."""
         self.snapshot.sync(model)
+        if self.fp8_weights:
+            quantize_linears(self.snapshot.layers)
 
     # -------------------------------------------------------------------------------------------- model math
 
@@ -135,16 +174,16 @@ class PagedRolloutEngine:
         to its output (a copy kernel per layer)."""
         if delta is not None:
             x = x + delta
-        return F.linear(self._rms_norm(x, layer["input_norm"]), layer["qkv_weight"], layer["qkv_bias"]), x
+        return linear(self._rms_norm(x, layer["input_norm"]), layer, "qkv_weight", layer["qkv_bias"]), x
 
-    def _qkv(self, x, delta, cos, sin, slots, k_cache, v_cache, layer: dict[str, torch.Tensor]):
+    def _qkv(self, x, delta, cos, sin, slots, k_cache, v_cache, k_scale, v_scale, layer: dict[str, torch.Tensor]):
         """Rotated q, k, v of tokens x + delta under their positions' rotary `cos`, `sin` (T, head_dim), and
-        x + delta (see `_normed_qkv`); k and v are also written to cache `slots`."""
+        x + delta (see `_normed_qkv`); k and v are also written to cache `slots` (quantised where the cache is: its
+        scales are not None). The returned k and v are the unquantised ones, which the prefill attends to."""
         qkv, x = self._normed_qkv(x, delta, layer)
         qk_norm = self.architecture.qk_norm(layer)
         q, k, v = rotated_heads(qkv, cos, sin, self.num_heads, self.num_kv_heads, qk_norm, self.eps)
-        k_cache.index_copy_(0, slots, k)
-        v_cache.index_copy_(0, slots, v)
+        LayerCache(k_cache, v_cache, k_scale, v_scale).write(slots, k, v)
         return q, k, v, x
 
     def _mlp(self, x, attention_out, layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +194,7 @@ class PagedRolloutEngine:
 
     @staticmethod
     def _down_projection(hidden: torch.Tensor, layer: dict[str, torch.Tensor], bias: torch.Tensor | None = None):
-        return F.linear(hidden, layer["down_weight"], bias)
+        return linear(hidden, layer, "down_weight", bias)
 
     def down_bias(self, rows: int) -> torch.Tensor | None:
         """The bias the decode step's down projection is called with at `rows` rows: None, or zeros where that is
@@ -188,7 +227,7 @@ class PagedRolloutEngine:
     def _output_projection(attention: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
         """(..., heads, head_dim) attention output to (T, hidden), outside the compiled layer: its input is often a
         view, whose base the compiled code would guard on (and recompile for), and a matrix product is not fused."""
-        return F.linear(attention.reshape(-1, attention.size(-2) * attention.size(-1)), layer["o_weight"])
+        return linear(attention.reshape(-1, attention.size(-2) * attention.size(-1)), layer, "o_weight")
 
     def _rope_tables(self, length: int) -> bool:
         """cos/sin tables for positions below `length`, at least the model's own maximum (built once); whether they
@@ -233,7 +272,8 @@ class PagedRolloutEngine:
         return RolloutStream(self, prompt_ids, settings, resumed)
 
     def cache_bytes_per_token(self) -> int:
-        return 2 * len(self.snapshot.layers) * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        layers = len(self.snapshot.layers)
+        return cache_bytes_per_token(layers, self.num_kv_heads, self.head_dim, self.dtype, self.fp8_kv_cache)
 
     def _workspace_bytes(self, slots: int) -> int:
         """Upper estimate of what a decode step of `slots` rows and a prefill chunk allocate beyond the cache."""

@@ -58,7 +58,8 @@ class DecoderArchitecture(ABC):
     @abstractmethod
     def mlp(self, x: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
         """The MLP of the normed residual `x` (T, hidden) up to the down projection's input (T, intermediate); the
-        engine runs the down projection (`layer["down_weight"]`) itself, outside the compiled code."""
+        engine runs the down projection (`layer["down_weight"]`) itself, outside the compiled code. Its products go
+        through `fp8.linear`, which runs them in FP8 when the engine's weights are."""
 
     @abstractmethod
     def rotary_tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

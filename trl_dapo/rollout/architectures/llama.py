@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from ...models import sliding_window
+from ..fp8 import linear
 from ..weights import cat_linear, linear_weight
 from .base import DecoderArchitecture
 
@@ -55,7 +56,7 @@ class LlamaArchitecture(DecoderArchitecture):
         return None
 
     def mlp(self, x: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
-        gate, up = F.linear(x, layer["gate_up_weight"]).chunk(2, dim=-1)
+        gate, up = linear(x, layer, "gate_up_weight").chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def rotary_tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
