@@ -16,6 +16,7 @@ from .mismatch import CORRECTION_MODES
 ON_LIMIT_CHOICES = ("raise", "train_on_partial")
 ROLLOUT_ENGINES = ("auto", "paged", "trl")
 OLD_LOGPROBS_CHOICES = ("rollout", "recompute")
+ROLLOUT_PRECISIONS = ("bf16", "fp8")
 SAMPLING_MODES = ("rounds", "stream")
 IN_FLIGHT_CHOICES = ("finish", "drop", "carry")
 DEFAULT_CORRECTION_MAX = 2.0
@@ -168,6 +169,17 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             training can use that memory.
         rollout_max_rows (`int`, *optional*, defaults to `1024`):
             Decode slots of the engine: rows generated at once, each slot refilled as its row ends.
+        rollout_kv_cache_dtype (`str`, *optional*, defaults to `"bf16"`):
+            The paged engine's KV cache: `"bf16"` (the engine's dtype) or `"fp8"` (e4m3 with a float32 scale per
+            token and KV head: about half the bytes, so twice the tokens in the same memory and half the reads per
+            decode step). Needs CUDA of compute capability 8.9 or more, or the CPU (its reference attention). Like
+            `rollout_weights_dtype="fp8"` it samples from a policy slightly off the training model's, so it needs
+            `old_logprobs="recompute"` and a `rollout_correction` (`"token_mask"` recommended, see the README).
+        rollout_weights_dtype (`str`, *optional*, defaults to `"bf16"`):
+            The paged engine's decoder-layer linear weights: `"bf16"` or `"fp8"` (e4m3 with a scale per output
+            channel, quantised from the bf16 snapshot, LoRA merged, at each weight sync; activations quantised per
+            token; FP8 tensor cores through `torch._scaled_mm`). The output head stays bf16. Needs CUDA of compute
+            capability 8.9 or more (Ada, Hopper), and like the FP8 cache a recomputed old policy and a correction.
         old_logprobs (`str`, *optional*, defaults to `"rollout"`):
             The old policy π_old of the ratio π_θ / π_old that Clip-Higher and the dual clip act on. `"rollout"`: the
             logprobs of the policy that sampled, as the generation engine returned them (no extra pass). `"recompute"`:
@@ -283,6 +295,13 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         default=0.85, metadata={"help": "Share of device memory the process may hold while the engine generates."}
     )
     rollout_max_rows: int = field(default=1024, metadata={"help": "Rows the engine decodes at once."})
+    rollout_kv_cache_dtype: str = field(
+        default="bf16", metadata={"help": "Paged engine's KV cache: 'bf16' or 'fp8'.", "choices": ROLLOUT_PRECISIONS}
+    )
+    rollout_weights_dtype: str = field(
+        default="bf16",
+        metadata={"help": "Paged engine's linear weights: 'bf16' or 'fp8'.", "choices": ROLLOUT_PRECISIONS},
+    )
     old_logprobs: str = field(
         default="rollout",
         metadata={
@@ -446,6 +465,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         self._validate_sampling_mode()
         self._validate_partial_rollouts()
         self._validate_old_policy()
+        self._validate_rollout_precision()
         if self.padding_free_max_tokens is not None and self.padding_free is False:
             raise invalid_value(
                 "padding_free_max_tokens",
@@ -554,6 +574,26 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 "it weighs tokens by π_old / π_rollout, which needs a recomputed old policy: set "
                 "old_logprobs='recompute' (with the rollout logprobs as the old policy every weight would be 1).",
             )
+
+    def _validate_rollout_precision(self) -> None:
+        """FP8 rollouts: the paged engine generates, and the loss corrects for the policy FP8 samples from (off the
+        training model's by its rounding) with a recomputed old policy and a rollout correction."""
+        for name in ("rollout_kv_cache_dtype", "rollout_weights_dtype"):
+            value = getattr(self, name)
+            if value not in ROLLOUT_PRECISIONS:
+                raise invalid_value(name, value, f"use one of {ROLLOUT_PRECISIONS}.")
+            if value != "fp8":
+                continue
+            self._check_paged_engine(name, value, f"{name}='bf16'")
+            if self.old_logprobs != "recompute" or self.rollout_correction is None:
+                raise invalid_value(
+                    name,
+                    value,
+                    "FP8 rollouts sample from a policy off the training model's (its rounding), which the loss must "
+                    "correct for: set old_logprobs='recompute' and rollout_correction='token_mask' (tokens whose "
+                    "π_old / π_rollout leaves [1/rollout_correction_max, rollout_correction_max] are masked), or "
+                    f"{name}='bf16'.",
+                )
 
     @staticmethod
     def _parse_oversample(value: str | float) -> str:

@@ -14,6 +14,7 @@ import torch
 from ..models import base_model
 from ..rollout import PagedRolloutEngine, TokenSampling
 from ..rollout.architectures import unsupported_reason
+from ..rollout.fp8 import fp8_unsupported_reason
 from ..rollout.sharded import Gather
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,21 @@ def paged_engine_needed(args, asks: str, reason: str, otherwise: str) -> ValueEr
     )
 
 
+def fp8_settings(args) -> list[str]:
+    """The FP8 rollout fields set to "fp8"."""
+    return [name for name in ("rollout_kv_cache_dtype", "rollout_weights_dtype") if getattr(args, name) == "fp8"]
+
+
+def check_rollout_precision(args, rollout_func, calls_tools: bool) -> None:
+    """FP8 rollouts on a device that runs them (FP8 weights: CUDA of compute capability 8.9 or more; an FP8 cache
+    also on the CPU, by the reference attention) and by the paged engine, known before any model loads."""
+    for name in fp8_settings(args):
+        reason = fp8_unsupported_reason(args.device)
+        if reason is not None and not (name == "rollout_kv_cache_dtype" and args.device.type == "cpu"):
+            raise ValueError(f"DAPOConfig.{name}='fp8' cannot run here: {reason}. Set {name}='bf16'.")
+        check_paged_engine_settings(args, rollout_func, calls_tools, f"{name}='fp8'", f"{name}='bf16'")
+
+
 @dataclass(frozen=True)
 class EngineSetUp:
     """What the engine choice reads of a built trainer (`trl_view.engine_set_up`)."""
@@ -123,6 +139,9 @@ def select_rollout_engine(set_up: EngineSetUp) -> PagedRolloutEngine | None:
     if reason is not None:
         if choice != "auto":
             raise unusable_engine(choice, reason)
+        fp8 = fp8_settings(set_up.args)
+        if fp8:  # TRL's path would decode in bf16, the setting ignored
+            raise paged_engine_needed(set_up.args, f"{fp8[0]}='fp8'", reason, f"set {fp8[0]}='bf16'")
         logger.warning("rollout_engine='auto' falls back to TRL's generation path: %s.", reason)
         return None
     return PagedRolloutEngine(
@@ -136,6 +155,8 @@ def select_rollout_engine(set_up: EngineSetUp) -> PagedRolloutEngine | None:
         show_progress=set_up.show_progress,
         device=set_up.device,
         gather=set_up.gather,
+        kv_cache_dtype=set_up.args.rollout_kv_cache_dtype,
+        weights_dtype=set_up.args.rollout_weights_dtype,
     )
 
 

@@ -21,7 +21,7 @@ from trl.trainer.utils import get_callable_name, get_config_model_id
 from ..rewards.overlong import OVERLONG_REWARD_NAME
 from .collect import CandidateRounds, Collector, OneRound
 from .config import DAPOConfig
-from .engine_choice import unusable_engine, why_settings_rule_out_engine
+from .engine_choice import check_rollout_precision, unusable_engine, why_settings_rule_out_engine
 from .partial import PartialCandidateRounds, PartialRounds
 from .streamed import StreamedGroups
 
@@ -126,6 +126,7 @@ def check_set_up(
         reason = why_settings_rule_out_engine(args, rollout_func, calls_tools)
         if reason is not None:
             raise unusable_engine(args.rollout_engine, reason)
+    check_rollout_precision(args, rollout_func, calls_tools)
     collection_strategy(args).check(args, _as_list(reward_funcs), names, rollout_func, calls_tools)
     check_datasets(args, train_dataset, eval_dataset, args.world_size, environment_factory is not None)
 
