@@ -1,6 +1,6 @@
 """Every setting of the real-model study in one place, and its CPU smoke preset.
 
-Sized for about 13 minutes of one GPU (H100 or H200): the grid (16 cells x 128 problems x 16 samples on the paged
+Sized for about 13 minutes of one GPU (H100 or H200): the grid (16 cells x 64 problems x 16 samples on the paged
 engine), then 7 runs at once on the device: DAPO and DAPOTrainer with GRPO's settings, 3 seeds each, and TRL's
 `GRPOTrainer` with its defaults for 1 seed. Every run shares the model, the data, the learning rate, the batch (16
 prompts x 8 samples per optimizer step, two optimizer steps per generation batch), the temperature and the length limit.
@@ -25,7 +25,7 @@ class RealModelConfig:
     families: tuple[str, ...] = tuple(FAMILIES)
     styles: tuple[str, ...] = tuple(PROMPT_STYLES)
     temperatures: tuple[float, ...] = (0.7, 1.0)
-    grid_problems: int = 128
+    grid_problems: int = 64
     k: int = 16  # samples per problem: avg@k and pass@k, in the grid and in the study's evaluations
     band_low: float = 0.2  # the issue's rule: base pass@k in [band_low, band_high] and avg@k below max_mean
     band_high: float = 0.8
@@ -37,7 +37,7 @@ class RealModelConfig:
     # ---- RL, the same for every run
     num_generations: int = 8
     prompts_per_step: int = 16
-    micro_batch_rows: int = 32  # completions per forward/backward pass
+    micro_batch_rows: int = 8  # completions per forward/backward pass: a seventh of an H100 holds its activations
     optimizer_steps_per_generation: int = 2
     max_steps: int = 48
     eval_every: int = 8

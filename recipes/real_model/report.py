@@ -68,34 +68,53 @@ def run_row(run: dict, metric: str) -> dict:
     }
 
 
+def at_step(run: dict, step: int, metric: str) -> float:
+    return next(point[metric]["all"] for point in run["curve"] if point["step"] == step)
+
+
+def paired_difference(dapo: dict[int, dict], grpo: dict[int, dict], metric: str) -> dict | None:
+    """DAPO minus GRPO's settings by seed, each pair at the last step both evaluated (the final step unless a time
+    budget stopped one), with the 95% t interval of the mean."""
+    pairs = []
+    for seed in sorted(set(dapo) & set(grpo)):
+        step = max({p["step"] for p in dapo[seed]["curve"]} & {p["step"] for p in grpo[seed]["curve"]})
+        pairs.append((seed, step, at_step(dapo[seed], step, metric) - at_step(grpo[seed], step, metric)))
+    if not pairs:
+        return None
+    differences = [difference for _, _, difference in pairs]
+    return spread(differences) | {"by_seed": differences, "seeds": [s for s, _, _ in pairs],
+                                  "steps": [step for _, step, _ in pairs]}  # fmt: skip
+
+
 def summarize(config: RealModelConfig, output: Path) -> dict:
+    """The study's numbers. Runs a time budget stopped count with what they evaluated (their status says so)."""
     metric = f"avg@{config.k}"
     runs = load_runs(config, output)
-    ok = {kind: {s: r for s, r in by_seed.items() if r["status"] == "ok"} for kind, by_seed in runs.items()}
-    finished = {kind: {s: r for s, r in by_seed.items() if r["curve"]} for kind, by_seed in runs.items()}
-    dapo, grpo, trl = ok.get(DAPO, {}), ok.get(GRPO, {}), ok.get(TRL_GRPO, {})
-    paired = [final(dapo[s], metric) - final(grpo[s], metric) for s in sorted(set(dapo) & set(grpo))]
-    base = [run["curve"][0][metric]["all"] for by_seed in finished.values() for run in by_seed.values()]
+    usable = {kind: {s: r for s, r in by_seed.items() if r["status"] in ("ok", "stopped") and r["curve"]}
+              for kind, by_seed in runs.items()}  # fmt: skip
+    dapo, grpo, trl = usable.get(DAPO, {}), usable.get(GRPO, {}), usable.get(TRL_GRPO, {})
+    base = [run["curve"][0][metric]["all"] for by_seed in usable.values() for run in by_seed.values()]
     dapo_curve = mean_curve(list(dapo.values()), metric)
+    ok = [r for by_seed in runs.values() for r in by_seed.values() if r["status"] == "ok"]
     summary = {
         "metric": metric,
         "runs": {kind: {str(s): run_row(r, metric) for s, r in by_seed.items()} for kind, by_seed in runs.items()},
         "base": spread(base),
-        "final": {kind: spread([final(r, metric) for r in by_seed.values()]) for kind, by_seed in ok.items()},
-        "dapo_minus_grpo": spread(paired) | {"by_seed": paired} if paired else None,
+        "final": {kind: spread([final(r, metric) for r in by_seed.values()]) for kind, by_seed in usable.items()},
+        "dapo_minus_grpo": paired_difference(dapo, grpo, metric),
+        "dapo_mean_curve": dapo_curve,
         "dapo_gain_over_base": (dapo_curve[-1][metric]["all"] - dapo_curve[0][metric]["all"]) if dapo_curve else None,
         "dapo_plateau": plateau(dapo_curve, metric),
-        "complete": all(len(ok.get(kind, {})) == len(seeds_of(config, kind)) for kind in RUN_KINDS),
+        "complete": len(ok) == sum(len(seeds_of(config, kind)) for kind in RUN_KINDS),
     }
     if trl and dapo:
-        reference = next(iter(trl.values()))
-        target, trl_s = final(reference, metric), reference["train_s"]
-        reached = [crossing(r["curve"], metric, target, "wall_clock_s") for r in dapo.values()]
+        last = next(iter(trl.values()))["curve"][-1]
+        reached = [crossing(r["curve"], metric, last[metric]["all"], "wall_clock_s") for r in dapo.values()]
         summary["dapo_to_trl_final"] = {
-            "trl_final": target,
-            "trl_train_s": trl_s,
+            "trl_final": last[metric]["all"],
+            "trl_train_s": last["wall_clock_s"],
             "dapo_s": reached,
-            "ratio": [None if s is None else s / trl_s for s in reached],
+            "ratio": [None if s is None else s / last["wall_clock_s"] for s in reached],
         }
     summary["targets"] = targets(summary)
     return summary
@@ -130,7 +149,8 @@ def format_report(config: RealModelConfig, output: Path, summary: dict) -> str:
         lines.append(f"base model {metric}: {base['mean']:.3f} (over {base['n']} step-0 evaluations)")
     if paired:
         interval = paired["ci95"] and [round(v, 3) for v in paired["ci95"]]
-        lines.append(f"DAPO - GRPO settings, final {metric} by seed: {[round(v, 3) for v in paired['by_seed']]}, "
+        lines.append(f"DAPO - GRPO settings, final {metric} by seed {paired['seeds']} (at steps {paired['steps']}): "
+                     f"{[round(v, 3) for v in paired['by_seed']]}, "
                      f"mean {paired['mean']:+.3f}, 95% t interval {interval}")  # fmt: skip
     if summary["dapo_gain_over_base"] is not None:
         lines.append(f"DAPO gain over the base model: {summary['dapo_gain_over_base']:+.3f}; plateau "

@@ -130,7 +130,7 @@ class HeldOutCurve(TrainerCallback):
     def evaluate(self, model, step: int) -> None:
         began = time.perf_counter()
         scores = self.scorer.score(model, self.test, self.temperature, self.seed)
-        wall_clock = began - self.began - self.excluded
+        wall_clock = 0.0 if step == 0 else began - self.began - self.excluded
         self.excluded += time.perf_counter() - began
         point = {"step": step, "wall_clock_s": wall_clock, "generated_completions": self.reward.completions,
                  "generated_tokens": self.reward.tokens, **scores}  # fmt: skip
