@@ -2,7 +2,7 @@
 
     python3 recipes/dapo_real_model.py --model SmolLM2-135M-Instruct.Q4_1.gguf --time-budget 780
     python3 recipes/dapo_real_model.py --report --output outputs/real-model   # the tables and the PNG, anywhere
-    python3 recipes/dapo_real_model.py --smoke --model TINY_MODEL_FOLDER      # the pipeline on the CPU, in seconds
+    python3 recipes/dapo_real_model.py --smoke                                # the pipeline on the CPU, a tiny model
 
 1. The model is loaded once (a GGUF file, dequantised, or a model folder) and saved as a float32 safetensors copy
    in OUTPUT/model, which every process loads.
@@ -37,6 +37,7 @@ from real_model.report import format_report, plot, seeds_of, summarize
 from real_model.runs import is_done, model_copy
 from real_model.scoring import EngineScorer
 from trl_dapo.gguf import gguf_location, load_gguf_causal_lm, load_gguf_tokenizer
+from trl_dapo.tiny_model import build_tiny_model
 
 RECIPES = Path(__file__).resolve().parent
 DEVICE_USABLE = 0.9  # of the device's memory, for the run processes together
@@ -47,7 +48,11 @@ REPORT_MARGIN_S = 20.0  # of a time budget, kept for the report
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="a GGUF file or a model folder (needed until OUTPUT/model exists)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="a GGUF file or a model folder (needed until OUTPUT/model exists; --smoke: a tiny model by default)",
+    )
     parser.add_argument("--output", type=Path, help="default: outputs/real-model (-smoke with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="the pipeline on the CPU, tiny (the test suite runs it)")
     parser.add_argument("--report", action="store_true", help="only the report, from what OUTPUT holds")
@@ -161,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     output.mkdir(parents=True, exist_ok=True)
     config.save(output / "study_config.json")
     began = time.perf_counter()
+    if args.smoke and args.model is None:  # the pipeline needs no download: a tiny random model stands in
+        args.model = Path(build_tiny_model(output / "tiny-model"))
     save_model_copy(args.model, model_copy(output))
     run_grid(config, output)
     print(f"grid done in {time.perf_counter() - began:.0f} s", flush=True)
