@@ -10,7 +10,8 @@
    temperature, sampled by the paged engine; the pick by the issue's rule goes to OUTPUT/pick.json with its reason.
 3. The runs (`real_model/runs.py`): DAPO and DAPOTrainer with GRPO's settings for each seed, and TRL's GRPOTrainer
    with its defaults for one, all at once as separate processes sharing the device, each evaluated every few steps.
-4. The report (`real_model/report.py`): OUTPUT/study.json, OUTPUT/study.png and the tables.
+4. The report (`real_model/report.py`): the tables, OUTPUT/study.png and OUTPUT/study.json (settings, environment,
+   grid, pick, every run's record and the summary: the file to keep).
 
 Rerunning the same command on the same OUTPUT keeps the model copy, the grid cells and the finished runs, and restarts
 the runs a time budget stopped (or that failed) from the model copy. `docs/real-model.md` explains the method.
@@ -24,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -31,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trl_dapo
 from ablation.store import write_json
+from dapo_ablation import environment
 from real_model.config import RUN_KINDS, STUDY, RealModelConfig, smoke
 from real_model.grid import measure_grid, pick
 from real_model.report import format_report, plot, seeds_of, summarize
@@ -90,7 +93,9 @@ def save_model_copy(source: Path | None, target: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(source)
     else:
         raise SystemExit(f"--model {source}: neither a .gguf file nor a model folder.")
-    model.generation_config.pad_token_id = tokenizer.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+    if tokenizer.pad_token_id is None:  # the engine and TRL pad with it; the end token serves (SmolLM2's is both)
+        tokenizer.pad_token = tokenizer.eos_token
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
 
@@ -132,6 +137,7 @@ def launch_runs(config: RealModelConfig, output: Path, deadline: float | None) -
     paths = [str(RECIPES), package_root, os.environ.get("PYTHONPATH")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
     env.setdefault("OMP_NUM_THREADS", str(config.torch_threads))
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(config.torch_threads))  # six engines compile at once
     (output / "logs").mkdir(parents=True, exist_ok=True)
     processes = []
     for kind, seed in jobs:
@@ -143,9 +149,23 @@ def launch_runs(config: RealModelConfig, output: Path, deadline: float | None) -
     return [process.wait() for process in processes]
 
 
+def bundle(config: RealModelConfig, output: Path, summary: dict) -> dict:
+    """Everything the study measured, in one file without the model (the one to keep under benchmarks/results/)."""
+    cells = [json.loads(path.read_text()) for path in sorted((output / "grid").glob("*.json"))]
+    runs = {path.stem: json.loads(path.read_text()) for path in sorted((output / "runs").glob("*.json"))}
+    return {
+        "environment": json.loads((output / "environment.json").read_text()),
+        "settings": asdict(config),
+        "grid": cells,
+        "pick": json.loads((output / "pick.json").read_text()),
+        "runs": runs,
+        "summary": summary,
+    }
+
+
 def report(config: RealModelConfig, output: Path) -> int:
     summary = summarize(config, output)
-    (output / "study.json").write_text(json.dumps(summary, indent=2))
+    (output / "study.json").write_text(json.dumps(bundle(config, output, summary), indent=2))
     print(format_report(config, output, summary))
     try:
         print(f"wrote {plot(config, output, output / 'study.png')} and {output / 'study.json'}")
@@ -166,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     output.mkdir(parents=True, exist_ok=True)
     config.save(output / "study_config.json")
     began = time.perf_counter()
+    (output / "environment.json").write_text(json.dumps(environment(config.device), indent=2))
     if args.smoke and args.model is None:  # the pipeline needs no download: a tiny random model stands in
         args.model = Path(build_tiny_model(output / "tiny-model"))
     save_model_copy(args.model, model_copy(output))

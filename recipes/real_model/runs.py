@@ -171,7 +171,7 @@ def run(config: RealModelConfig, output: Path, task: dict, kind: str, seed: int,
     curve = HeldOutCurve(config, scorer, data["test"], task["temperature"], seed, reward, record, deadline)
     trainer.add_callback(curve)
     trainer.train()
-    last = result["curve"][-1]
+    last, engine = result["curve"][-1], getattr(trainer, "paged_engine", None)
     result |= {
         "status": "ok" if trainer.state.global_step >= config.max_steps else "stopped",
         "trainer": type(trainer).__name__,
@@ -180,7 +180,8 @@ def run(config: RealModelConfig, output: Path, task: dict, kind: str, seed: int,
         "total_s": time.perf_counter() - began,
         "generated_completions": reward.completions,
         "generated_tokens": reward.tokens,
-        "padding_free": getattr(trainer.args, "padding_free", None),
+        "padding_free": getattr(trainer, "padding_free", False),  # DAPOTrainer's resolved choice; TRL's: padded
+        "rollout_engine": "transformers generate" if engine is None else type(engine).__name__,
         "train": {name: [[e["step"], e[name]] for e in trainer.state.log_history if name in e] for name in TRAIN_METRICS},
     }  # fmt: skip
     if torch.cuda.is_available():
