@@ -105,8 +105,10 @@ def run_grid(config: RealModelConfig, output: Path) -> dict:
     device = torch.device(config.device)
     model = AutoModelForCausalLM.from_pretrained(model_copy(output), dtype=torch.float32).to(device)
     tokenizer = AutoTokenizer.from_pretrained(model_copy(output))
-    scorer = EngineScorer(model, tokenizer, config.k, config.max_completion_length, config.engine_max_rows,
-                          GRID_MEMORY_FRACTION)  # fmt: skip
+    scorer = EngineScorer(
+        model, tokenizer, config.k, config.max_completion_length, config.engine_max_rows, GRID_MEMORY_FRACTION,
+        config.device,
+    )  # fmt: skip
     cells = measure_grid(config, output, model, tokenizer, scorer)
     chosen = pick(config, cells)
     write_json(output / "pick.json", chosen)

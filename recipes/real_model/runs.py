@@ -167,7 +167,7 @@ def run(config: RealModelConfig, output: Path, task: dict, kind: str, seed: int,
     trainer = trainer_class(model=str(model_copy(output)), reward_funcs=[reward], args=args,
                             train_dataset=data["train"], processing_class=tokenizer)  # fmt: skip
     scorer = EngineScorer(trainer.model, tokenizer, config.k, config.max_completion_length, config.engine_max_rows,
-                          share)  # fmt: skip
+                          share, config.device)  # fmt: skip
     curve = HeldOutCurve(config, scorer, data["test"], task["temperature"], seed, reward, record, deadline)
     trainer.add_callback(curve)
     trainer.train()

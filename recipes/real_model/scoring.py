@@ -17,8 +17,10 @@ from trl_dapo.rollout.token_sampling import TokenSampling
 class EngineScorer:
     """Samples `k` completions per problem with the paged engine and scores them with the math reward."""
 
-    def __init__(self, model, tokenizer, k: int, max_new_tokens: int, max_rows: int, memory_fraction: float) -> None:
-        cuda = next(model.parameters()).device.type == "cuda"
+    def __init__(
+        self, model, tokenizer, k: int, max_new_tokens: int, max_rows: int, memory_fraction: float, device: str
+    ) -> None:
+        cuda = device == "cuda"
         self.tokenizer, self.k, self.max_new_tokens = tokenizer, k, max_new_tokens
         self.engine = PagedRolloutEngine(
             model,
@@ -29,6 +31,7 @@ class EngineScorer:
             compile_decode=False,  # 7 processes compiling at once would cost more than the evaluations save
             memory_fraction=memory_fraction,
             max_rows=max_rows,
+            device=torch.device(device),  # where the engine decodes, wherever the model is when it is built
         )
 
     def prompt_ids(self, dataset) -> list[list[int]]:
