@@ -134,6 +134,9 @@ def launch_runs(config: RealModelConfig, output: Path, deadline: float | None) -
     jobs = [(k, s) for k in RUN_KINDS for s in seeds_of(config, k) if not is_done(config, output, k, s)]
     if not jobs:
         return []
+    if deadline is not None and time.time() > deadline:
+        print(f"{len(jobs)} runs left for the next call: the grid used the time budget", flush=True)
+        return []
     share = memory_share(config, len(jobs))
     package_root = str(Path(trl_dapo.__file__).resolve().parent.parent)  # the workers import the same trl_dapo
     paths = [str(RECIPES), package_root, os.environ.get("PYTHONPATH")]

@@ -118,6 +118,11 @@ def trainer_args(config: RealModelConfig, kind: str, seed: int, output_dir: Path
     )
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class HeldOutCurve(TrainerCallback):
     """Held-out avg@k at the evaluation steps, the training wall-clock without them, and the time budget."""
 
@@ -128,8 +133,10 @@ class HeldOutCurve(TrainerCallback):
         self.began = time.perf_counter()
 
     def evaluate(self, model, step: int) -> None:
+        _synchronize()  # the step's queued kernels count as training, not evaluation
         began = time.perf_counter()
         scores = self.scorer.score(model, self.test, self.temperature, self.seed)
+        _synchronize()
         wall_clock = 0.0 if step == 0 else began - self.began - self.excluded
         self.excluded += time.perf_counter() - began
         point = {"step": step, "wall_clock_s": wall_clock, "generated_completions": self.reward.completions,
