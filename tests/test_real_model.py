@@ -129,7 +129,10 @@ def test_smoke_study_runs_end_to_end(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[grid] add1-dapo-T1" in result.stdout and "picked add1-dapo-T1" in result.stdout
     config = smoke(STUDY)
-    summary = json.loads((output / "study.json").read_text())
+    study = json.loads((output / "study.json").read_text())
+    assert set(study) == {"environment", "settings", "grid", "pick", "runs", "summary"}
+    assert study["settings"]["max_steps"] == 1 and len(study["grid"]) == 1 and len(study["runs"]) == 3
+    summary = study["summary"]
     assert summary["complete"] and set(summary["runs"]) == {DAPO, GRPO, TRL_GRPO}
     for kind in (DAPO, GRPO, TRL_GRPO):
         run = json.loads(run_file(output, kind, 0).read_text())

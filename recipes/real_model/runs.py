@@ -72,6 +72,7 @@ def shared_fields(config: RealModelConfig, seed: int, output_dir: Path, temperat
         data_seed=seed,
         model_init_kwargs={"dtype": "float32"},
         per_device_train_batch_size=config.micro_batch_rows,
+        gradient_checkpointing=True,  # both trainers' default, set so the study does not follow a changed default
         gradient_accumulation_steps=config.accumulation_steps,
         steps_per_generation=config.accumulation_steps * config.optimizer_steps_per_generation,
         num_generations=config.num_generations,
