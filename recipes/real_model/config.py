@@ -43,7 +43,7 @@ class RealModelConfig:
     eval_every: int = 8
     # AdamW moves each weight by about the learning rate per step: at 1e-5, 48 steps move a weight by at most 5e-4, a
     # percent or two of SmolLM2's typical weight; a third of the ablation's 3.33e-5 at a similar width (576 against
-    # 512), with 2 updates per generation batch instead of 16 (the CPU pilot: docs/real-model.md)
+    # 512), with 2 updates per generation batch instead of 16 (docs/real-model.md, "Learning rate")
     learning_rate: float = 1e-5
     max_completion_length: int = 256
     overlong_buffer_len: int = 64  # DAPO's soft overlong punishment from 192 tokens on (a quarter of the limit)
