@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ablation.store import write_json
-from dapo_real_model import parse_args, study_config
+from dapo_real_model import launch_runs, parse_args, study_config
 from real_model.config import DAPO, GRPO, STUDY, TRL_GRPO, RealModelConfig, smoke
 from real_model.grid import pick
 from real_model.report import summarize
@@ -142,6 +142,7 @@ def test_smoke_study_runs_end_to_end(tmp_path):
         rows = config.prompts_per_step * config.num_generations
         assert run["generated_completions"] >= rows and run["curve"][1]["mean_length"] <= config.max_completion_length
     assert (output / "study.png").stat().st_size > 10_000
-    # a rerun keeps the grid and the finished runs
-    again = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert again.returncode == 0 and "runs started" not in again.stdout
+    # a rerun keeps the grid cell and starts no run: every one finished under these settings
+    cell = json.loads((output / "grid" / "add1-dapo-T1.json").read_text())
+    assert cell["settings"] == config.grid_fingerprint() and cell["problems"] == config.grid_problems
+    assert launch_runs(config, output, deadline=None) == []
