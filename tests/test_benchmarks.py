@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).parent.parent
 # The tiny local model (trl_dapo.testing): vocabulary 366, hidden 64, MLP 128, 2 layers, 4 query / 2 key-value heads
@@ -291,6 +292,56 @@ def test_check_logprob_gap_tiny_scores_every_sampled_token_and_agrees_in_float32
         assert set(out["before_after"]) == {"gap_mean", "gap_max", "kl_k3", "outside_clip_share"}
     merge = results["models"]["tiny:lora4"]["lora_merge"]
     assert merge["differing_share"] == 0 and merge["rounded_once_error"] == merge["rounded_twice_error"]  # float32
+
+
+def test_check_real_model_tiny_engine_in_float32_matches_hf_float32(tmp_path):
+    """With the engine in float32 its rollout logprobs are HF float32's up to summation order, its greedy completions
+    are HF float32's, while HF bf16 differs: the samples, prompts and tokens line up across the sides."""
+    stdout, results = run_tiny("check_real_model", tmp_path, "--engine-dtype", "float32", "--speed-rows", "16")
+    assert "errors" not in results, results["errors"]
+    gaps = results["logprob_gaps"]
+    assert set(gaps) == {"engine", "hf_bf16", "hf_bf16_fp32_head", "hf_bf16_decode", "engine_fp32_logits"}
+    # 8 prompts x up to 12 tokens, every sampled token once
+    assert (
+        all(0 < r["tokens"] <= 8 * 12 for r in gaps.values()) and gaps["engine"]["tokens"] == gaps["hf_bf16"]["tokens"]
+    )
+    assert gaps["engine"]["max"] < 1e-4 and gaps["engine_fp32_logits"]["max"] < 1e-4
+    assert gaps["hf_bf16"]["mean"] > 1e-4 and gaps["hf_bf16_decode"]["mean"] > 1e-4  # bf16 rounding
+    assert results["engine_within_hf_bf16"] == {"mean": True, "p99": True}
+    paired = results["engine_minus_hf_bf16"]  # the engine's gap is about 0, so the difference is minus HF's
+    assert paired["mean"] == pytest.approx(gaps["engine"]["mean"] - gaps["hf_bf16"]["mean"], abs=1e-6)
+    assert paired["interval_95"][0] <= paired["mean"] <= paired["interval_95"][1] < 0
+    engine, hf = results["greedy"]["engine"], results["greedy"]["hf_bf16"]
+    assert (
+        engine["full_match_share"] == 1
+        and engine["mean_prefix"] == engine["mean_length"] == engine["reference_mean_length"]
+    )
+    assert 0 <= hf["full_match_share"] <= 1 and hf["mean_prefix"] <= min(
+        hf["mean_length"], hf["reference_mean_length"]
+    )
+    speed = {(r["rows"], r["engine"]): r for r in results["speed"]}
+    assert set(speed) == {(16, "paged"), (16, "hf")}
+    for (rows, _), r in speed.items():
+        assert "error" not in r and r["tokens_per_s"] > 0 and rows <= r["tokens"] <= rows * 8
+        assert r["mean_length"] == r["tokens"] / rows and r["max_length"] <= 8
+    assert "| engine | bf16_logits |" in stdout and "| 16x8 | hf |" in stdout
+
+
+def test_check_real_model_agreement_counts_the_prefix_each_completion_shares():
+    from benchmarks.check_real_model import agreement, paired_difference
+
+    # row 0 differs by 0.1 on its first token, row 1 by 0.2 on its only one: 0.3 over 3 tokens; resampled rows give
+    # 0.1 / 2 (row 0 alone) up to 0.2 / 1 (row 1 alone)
+    ours, theirs = torch.tensor([[0.2, 0.1], [0.3, 9.0]]), torch.tensor([[0.1, 0.1], [0.1, 0.0]])
+    paired = paired_difference(ours, theirs, torch.tensor([[True, True], [True, False]]))
+    assert paired["mean"] == pytest.approx(0.1) and paired["ours_larger_share"] == pytest.approx(2 / 3)
+    assert 0.05 - 1e-6 <= paired["interval_95"][0] < paired["interval_95"][1] <= 0.2 + 1e-6  # float32 inputs
+
+    # prefixes 2 (third token differs), 2 (equal in full), 0, 1 (ours stops early)
+    ours, reference = [[1, 2, 3], [1, 2], [5], [7]], [[1, 2, 4], [1, 2], [6, 7], [7, 8]]
+    assert agreement(ours, reference) == {
+        "mean_prefix": 5 / 4, "full_match_share": 1 / 4, "mean_length": 7 / 4, "reference_mean_length": 9 / 4,
+    }  # fmt: skip
 
 
 def test_check_launch_config_rollout_finds_zero3_first_rollout_equal_to_single_gpu_on_cpu(tmp_path):
