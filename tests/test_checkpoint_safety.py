@@ -7,12 +7,16 @@ import shutil
 
 import pytest
 import torch
+from accelerate.data_loader import BatchSamplerShard, DataLoaderShard, SkipBatchSampler
+from torch.utils.data import BatchSampler
 from transformers import AutoTokenizer
+from trl.trainer.utils import RepeatSampler
 
 from helpers import arithmetic_prompts, dapo_args, length_reward
 from trl_dapo import DAPOTrainer
 from trl_dapo.testing import ScriptedRollout
 from trl_dapo.trainer.checkpoint_files import SAMPLING_STATE_FILE
+from trl_dapo.trainer.epoch_order import EpochOrder, set_resumed_epoch
 
 # scripted rows and no dynamic sampling: quick steps, and no extra rounds
 QUICK = dict(max_steps=2, save_strategy="steps", save_steps=1, dynamic_sampling=False)
@@ -110,16 +114,47 @@ def test_resume_true_without_a_checkpoint_starts_from_step_0_with_a_warning(tiny
     assert f"resume_from_checkpoint=True found no checkpoint in output_dir={str(tmp_path)!r}" in caplog.text
 
 
-@pytest.mark.parametrize("checkpoint", [2, 3], ids=["at-an-epoch-end", "inside-the-second-epoch"])
-def test_a_run_resumed_in_a_later_epoch_equals_the_uninterrupted_run(tiny_model, tmp_path, checkpoint):
-    """4 prompts, 2 a step: an epoch is 2 steps. TRL's sampler draws each epoch's order from one generator that a
-    resumed run built afresh, so it drew the first epoch's order again (0.02 max |dW| at step 30 of the demo). Now
-    each epoch's order is restored: the resumed run's weights equal the uninterrupted run's exactly."""
-    settings = dict(max_steps=5, train_dataset=arithmetic_prompts(4))
-    straight = make_trainer(tiny_model, tmp_path / "straight", **settings)
+EPOCHS = dict(max_steps=4, train_dataset=arithmetic_prompts(4))  # 4 prompts, 2 a step: an epoch is 2 steps
+
+
+@pytest.fixture(scope="module")
+def two_epochs(tiny_model, tmp_path_factory):
+    """An uninterrupted run over two epochs, a checkpoint after each step: its folder and final weights."""
+    folder = tmp_path_factory.mktemp("two-epochs")
+    straight = make_trainer(tiny_model, folder, **EPOCHS)
     straight.train()
-    assert straight.state.epoch == 2.5
-    resumed = make_trainer(tiny_model, tmp_path / "resumed", **settings)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / f"checkpoint-{checkpoint}"))
-    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
-        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    assert straight.state.epoch == 2.0
+    return folder, {name: p.detach().clone() for name, p in straight.model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpoint", [2, 3], ids=["at-the-first-epochs-end", "inside-the-second-epoch"])
+def test_a_run_resumed_in_a_later_epoch_equals_the_uninterrupted_run(tiny_model, two_epochs, tmp_path, checkpoint):
+    """TRL's sampler draws each epoch's order from one generator that a resumed run built afresh, so it drew the
+    first epoch's order again (0.02 max |dW| at step 30 of the demo resumed from step 10). Now each epoch's order is
+    restored: the resumed run's weights equal the uninterrupted run's exactly."""
+    folder, weights = two_epochs
+    resumed = make_trainer(tiny_model, tmp_path, **EPOCHS)
+    resumed.train(resume_from_checkpoint=str(folder / f"checkpoint-{checkpoint}"))
+    for name, value in resumed.model.named_parameters():
+        torch.testing.assert_close(value.detach(), weights[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_the_resumed_epoch_reaches_the_sampler_under_accelerates_wrappers(processes):
+    """accelerate wraps the batch sampler in a shard per process (several processes) and, to skip the trained
+    batches, in a `SkipBatchSampler`, whose `set_epoch` does not reach the sampler under a shard: the trainer sets it.
+    Each epoch's order is then the one an uninterrupted iteration gives."""
+    dataset = list(range(6))
+    straight = EpochOrder(RepeatSampler(dataset, mini_repeat_count=1, batch_size=2, seed=5))
+    uninterrupted = []
+    for epoch in range(3):
+        straight.set_epoch(epoch)
+        uninterrupted.append(list(straight))
+    sampler = EpochOrder(RepeatSampler(dataset, mini_repeat_count=1, batch_size=2, seed=5))  # the resumed run's
+    batches = BatchSampler(sampler, 2, drop_last=False)
+    if processes > 1:
+        batches = BatchSamplerShard(batches, num_processes=processes, process_index=0)
+    skipping = DataLoaderShard(dataset, batch_sampler=SkipBatchSampler(batches, skip_batches=1))
+    set_resumed_epoch(skipping, 2)
+    skipping.set_epoch(2)  # as the Trainer does next
+    assert list(sampler) == uninterrupted[2] != uninterrupted[0]

@@ -13,8 +13,8 @@ token-mean, dynamic sampling and padding-free training. It keeps TRL's hooks and
 - `train`, `evaluation_loop`: padding-free, the model's attention goes through the packed dispatcher while they run
   and is set back after (the model is the caller's); `resume_from_checkpoint=True` resumes from the newest complete
   checkpoint (`checkpoint_files.py`).
-- `_get_train_sampler`: TRL's sampler, each epoch's order restored when a run resumes in a later epoch
-  (`epoch_order.py`).
+- `_get_train_sampler`, `get_resumed_dataloader`: TRL's sampler, each epoch's order restored when a run resumes in a
+  later epoch (`epoch_order.py`).
 - `log`: `dapo/skipped_steps` and `dapo/nonfinite_steps` as the counts they are. `_save_checkpoint` /
   `_load_optimizer_and_scheduler`: the buffer's surplus, every rank's carried groups (partial rollouts), the prompt
   stream's position and the skipped-step counts; inside a generation batch, each rank's micro-batches still to train;
@@ -50,7 +50,7 @@ from .checkpoint_files import (
 )
 from .config import DAPOConfig
 from .engine_choice import EngineWeights, select_rollout_engine, token_sampling
-from .epoch_order import EpochOrder
+from .epoch_order import EpochOrder, set_resumed_epoch
 from .finite_steps import FiniteSteps
 from .micro_batches import MicroBatch
 from .passes import TrainingPasses, set_up_padding_free
@@ -211,6 +211,12 @@ class DAPOTrainer(GRPOTrainer):
     def _get_train_sampler(self, dataset: Any = None) -> EpochOrder:
         """TRL's sampler, each epoch's order restored when a run resumes in a later epoch (`epoch_order.py`)."""
         return EpochOrder(super()._get_train_sampler(dataset))
+
+    def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
+        """The Trainer's, the resumed epoch's order set first: on several processes the skipping dataloader does not
+        hand `set_epoch` on to the sampler (`epoch_order.py`). Called for the resumed epoch only, inside it."""
+        set_resumed_epoch(dataloader, int(self.state.epoch))
+        return super().get_resumed_dataloader(dataloader, num_batches)
 
     def add_metrics(self, values: dict[str, float]) -> None:
         """Training metrics that join the next log, averaged with the other values since the last one (as TRL's
