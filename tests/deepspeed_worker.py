@@ -70,6 +70,7 @@ def main(model_path: str, output: str) -> None:
         "steps": snapshots.steps,
         "learning_rate": [h["learning_rate"] for h in logs],
         "skipped_steps": [h["dapo/skipped_steps"] for h in logs],
+        "nonfinite_steps": [h["dapo/nonfinite_steps"] for h in logs],
         "global_step": trainer.state.global_step,
     }
     torch.save(result, f"{output}.rank{trainer.accelerator.process_index}.pt")

@@ -38,6 +38,7 @@ def test_a_skipped_step_leaves_deepspeed_weights_and_adam_state_unchanged_on_eve
     for rank in ranks:
         begin, trained, skipped = rank["steps"]
         assert rank["global_step"] == 2 and rank["skipped_steps"] == [0.0, 1.0]
+        assert rank["nonfinite_steps"] == [0.0, 0.0]  # DeepSpeed applied the first step: nothing non-finite counted
         assert any(not torch.equal(a, b) for a, b in zip(trained["fp32_weights"], begin["fp32_weights"], strict=True))
         assert any(
             not torch.equal(value, begin["parameters"][name]) for name, value in trained["parameters"].items()
