@@ -1,7 +1,8 @@
 """An optimizer step whose loss or gradient is not finite is skipped: parameters and optimizer state unchanged, counted
-in `dapo/nonfinite_steps`, said in a warning naming the step. The step counter and learning-rate schedule advance, as
-for a step skipped without rows. So a NaN never reaches the weights, nor a checkpoint; and a save finding non-finite
-weights all the same (a finite update that overflowed) stops with an error rather than write them.
+in `dapo/nonfinite_steps`, said in a warning naming the step. The step counter advances, and so does the learning-rate
+schedule (but under DeepSpeed, which holds it back on an overflow), as for a step skipped without rows. So a NaN never
+reaches the weights, nor a checkpoint; and a save finding non-finite weights all the same (a finite update that
+overflowed) stops with an error rather than write them.
 
 A callback, not a Trainer hook: `on_pre_optimizer_step` runs once the step's gradients are complete (reduced across
 ranks, clipped) and before `optimizer.step()`. Every rank decides alike (the flags are reduced: a loss is per rank, an
@@ -102,8 +103,7 @@ class FiniteSteps(TrainerCallback):
         if self.accelerator.is_main_process:
             logger.warning(
                 "Optimizer step %d: the %s is not finite; the step is skipped (parameters and optimizer state "
-                "unchanged; the step counter and learning-rate schedule advance). %d such steps so far, logged as "
-                "dapo/nonfinite_steps.",
+                "unchanged, the step counted). %d such steps so far, logged as dapo/nonfinite_steps.",
                 step,
                 what,
                 self.skipped_steps,

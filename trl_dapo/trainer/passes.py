@@ -108,7 +108,7 @@ class TrainingPasses:
         counts = [loss_mask(batch).sum(dim=1)]
         if self.padding_free:
             counts.append(batch["prompt_mask"].sum(dim=1) + batch["completion_mask"].sum(dim=1))
-        loss_tokens, *costs = torch.stack(counts).tolist()
+        loss_tokens, *costs = torch.stack([count.long() for count in counts]).tolist()
         micro_batches = split_generation_batch(
             batch,
             rank=self.accelerator.process_index,
