@@ -5,8 +5,8 @@
 
 Every field of `ScriptArguments`, `DAPOConfig` and TRL's `ModelConfig` can be set in the YAML or on the command line
 (the command line wins). Without a model name the run builds the tiny local model, so it works with no download.
-`--resume_from_checkpoint PATH` (or `true`: the last checkpoint in `output_dir`) continues a run where it stopped;
-`false` starts from step 0.
+`--resume_from_checkpoint PATH` (or `true`: the newest complete checkpoint in `output_dir`; none yet: step 0, with a
+warning) continues a run where it stopped; `false` starts from step 0.
 """
 
 from __future__ import annotations
@@ -100,15 +100,15 @@ class RecipeConfig(DAPOConfig):
     resume_from_checkpoint: str | None = field(
         default=None,
         metadata={
-            "help": "Continue a run: a checkpoint folder, or 'true' for the last checkpoint in output_dir; 'false' "
-            "or unset: start from step 0."
+            "help": "Continue a run: a checkpoint folder, or 'true' for the newest complete checkpoint in output_dir "
+            "(none yet: step 0, with a warning); 'false' or unset: start from step 0."
         },
     )
 
 
 def resume_point(value: str | None) -> str | bool | None:
-    """`--resume_from_checkpoint PATH` resumes from PATH, `true` from the last checkpoint in the output dir, `false`
-    starts afresh."""
+    """`--resume_from_checkpoint PATH` resumes from PATH, `true` from the newest complete checkpoint in the output dir
+    (the trainer's choice, `checkpoint_files.py`), `false` starts afresh."""
     if value is None or value.lower() in ("false", "none"):
         return None
     if value.lower() in ("true", "last"):

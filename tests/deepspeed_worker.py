@@ -1,10 +1,10 @@
 """One rank of a DeepSpeed run, launched under one of the recipes' ZeRO accelerate configs, on the CPU or on a GPU:
-two optimizer steps, the second with no informative group (its rounds find a constant reward), so dynamic sampling
-skips it.
+three optimizer steps, the second with no informative group (its rounds find a constant reward), so dynamic sampling
+skips it, the third with a NaN in one parameter's gradient, so DeepSpeed's overflow check skips it.
 
 Before the first step and after each it records, on its rank, DeepSpeed's float32 weights (the flat partitions its torch optimizer steps), AdamW's
 state of each and the model's own parameters (under ZeRO-3, this rank's partition of each), the logged learning rate
-and `dapo/skipped_steps`. Writes them to `<output>.rank<r>.pt`.
+and `dapo/skipped_steps` / `dapo/nonfinite_steps`. Writes them to `<output>.rank<r>.pt`.
 """
 
 import os
@@ -18,8 +18,8 @@ from trl_dapo import DAPOTrainer
 
 
 def varied_then_constant(completion_ids, trainer_state, **kwargs) -> list[float]:
-    """Informative groups at the first step, none at the second."""
-    if trainer_state.global_step == 0:
+    """Informative groups at the first and third steps, none at the second."""
+    if trainer_state.global_step != 1:
         return first_token_parity(completion_ids)
     return [1.0] * len(completion_ids)
 
@@ -56,11 +56,15 @@ def main(model_path: str, output: str) -> None:
         lr_scheduler_type="linear",
         max_grad_norm=1.0,
         max_num_gen_batches=2,
-        max_steps=2,
+        max_steps=3,
         **({"use_cpu": False, "bf16": True, "rollout_memory_fraction": 0.2} if cuda else {}),
     )
     trainer = DAPOTrainer(
         model=model_path, reward_funcs=varied_then_constant, args=args, train_dataset=arithmetic_prompts(40)
+    )
+    poisoned = next(p for p in trainer.model.parameters() if p.requires_grad)
+    nan_at_the_third_step = poisoned.register_hook(
+        lambda grad, trainer=trainer: grad * float("nan") if trainer.state.global_step == 2 else grad
     )
     snapshots = DeepSpeedSnapshots(trainer)
     trainer.add_callback(snapshots)
@@ -70,11 +74,13 @@ def main(model_path: str, output: str) -> None:
         "steps": snapshots.steps,
         "learning_rate": [h["learning_rate"] for h in logs],
         "skipped_steps": [h["dapo/skipped_steps"] for h in logs],
+        "nonfinite_steps": [h["dapo/nonfinite_steps"] for h in logs],
         "global_step": trainer.state.global_step,
     }
     torch.save(result, f"{output}.rank{trainer.accelerator.process_index}.pt")
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
+    nan_at_the_third_step.remove()  # it holds the trainer, released next
     del trainer
     accelerator.free_memory()
     accelerator.end_training()

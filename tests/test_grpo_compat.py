@@ -289,6 +289,8 @@ PINNED_SIGNATURES = {
     "_generate_and_score_completions": "self, inputs",
     "_prepare_inputs": "self, generation_batch",
     "_compute_loss": "self, model, inputs",
+    "_get_train_sampler": "self, dataset=None",
+    "get_resumed_dataloader": "self, dataloader, num_batches",
     "_save_checkpoint": "self, model, trial",
     "_load_optimizer_and_scheduler": "self, checkpoint",
     "log": "self, logs, start_time=None",

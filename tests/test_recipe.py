@@ -101,8 +101,8 @@ def test_help_prints():
         return text.split(f"{option} ")[-1].split(" (default")[0]
 
     assert help_of("--resume-from-checkpoint RESUME_FROM_CHECKPOINT") == (
-        "Continue a run: a checkpoint folder, or 'true' for the last checkpoint in output_dir; 'false' or unset: "
-        "start from step 0."
+        "Continue a run: a checkpoint folder, or 'true' for the newest complete checkpoint in output_dir (none yet: "
+        "step 0, with a warning); 'false' or unset: start from step 0."
     )
     assert help_of("--bf16 BF16") == (
         "bf16 mixed precision. Unset (None): on where bf16 can run (a bf16 GPU, XLA, or use_cpu), off elsewhere."

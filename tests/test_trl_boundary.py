@@ -26,6 +26,7 @@ READ_AT_THE_BOUNDARY = [
     "_generate_single_turn",
     "_get_output_dir",
     "_get_per_token_logps_and_entropies",
+    "_get_train_sampler",
     "_is_vlm",
     "_load_optimizer_and_scheduler",
     "_log_metric",

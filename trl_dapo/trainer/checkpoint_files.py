@@ -1,4 +1,5 @@
-"""The files DAPOTrainer adds to a checkpoint beside the Trainer's, and reading them back.
+"""The files DAPOTrainer adds to a checkpoint beside the Trainer's, writing them safely, reading them back, and which
+checkpoint `resume_from_checkpoint=True` resumes from.
 
 `dapo_sampling_state.pt` (the trainer writes it) holds the dynamic-sampling surplus, the extra-prompt stream's
 position and the skipped-step count. A checkpoint saved inside a generation batch (`steps_per_generation` larger than
@@ -6,21 +7,86 @@ position and the skipped-step count. A checkpoint saved inside a generation batc
 to train: resumed, the run trains them before it generates the next batch, as the run that saved them would have.
 Every file is read with `weights_only=True`; one that cannot be read is an error naming it, never a suggestion to
 load it unsafely.
+
+A save can be killed half-way. DAPO's files are written before the Trainer's and each reaches its name only once
+written whole (a temporary name, then a rename); the Trainer writes `trainer_state.json` after its other files and
+only then deletes older checkpoints (`save_total_limit`). So a checkpoint with a readable `trainer_state.json` and the
+sampling state holds every file a resume reads, and an older one is never deleted before a newer one is complete.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 
 import torch
 from accelerate import Accelerator
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .micro_batches import MicroBatch, micro_batch_states, micro_batches_from_states
 
 logger = logging.getLogger(__name__)
 
+SAMPLING_STATE_FILE = "dapo_sampling_state.pt"
 GENERATION_BATCH_FILE = "dapo_generation_batch_{rank}.pt"
+TRAINER_STATE_FILE = "trainer_state.json"  # the Trainer's, written after its other files
+
+
+def save_checkpoint_file(value: object, path: str) -> None:
+    """`torch.save` under a temporary name, renamed to `path` once written: a save killed half-way leaves no
+    truncated file by the name a resume reads."""
+    partial = f"{path}.partial"
+    try:
+        torch.save(value, partial)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def why_incomplete(checkpoint: str) -> str | None:
+    """What `checkpoint` lacks for a resume (a save killed before its end), or None when it is complete."""
+    state = os.path.join(checkpoint, TRAINER_STATE_FILE)
+    if not os.path.isfile(state):
+        return f"no {TRAINER_STATE_FILE}"
+    try:
+        with open(state) as file:
+            json.load(file)
+    except ValueError:
+        return f"{TRAINER_STATE_FILE} cut short"
+    if not os.path.isfile(os.path.join(checkpoint, SAMPLING_STATE_FILE)):
+        return f"no {SAMPLING_STATE_FILE}"
+    return None
+
+
+def newest_complete_checkpoint(output_dir: str) -> tuple[str | None, str | None]:
+    """The checkpoint `resume_from_checkpoint=True` resumes from: the highest-numbered complete one in `output_dir`,
+    or None where there is none (training starts from step 0, as a restarted job's first launch needs); and the
+    warning to log where incomplete ones were skipped or none was found."""
+    pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    numbered = sorted(((int(m.group(1)), name) for name in names if (m := pattern.match(name))), reverse=True)
+    folders = [path for _, name in numbered if os.path.isdir(path := os.path.join(output_dir, name))]
+    skipped = []
+    for folder in folders:
+        reason = why_incomplete(folder)
+        if reason is None:
+            warning = None
+            if skipped:
+                warning = (
+                    f"resume_from_checkpoint=True: resuming from {folder}, the newest complete checkpoint; skipped as "
+                    f"incomplete: {', '.join(skipped)}. A save was interrupted: the run overwrites that folder when "
+                    "it saves the same step again."
+                )
+            return folder, warning
+        skipped.append(f"{folder} ({reason})")
+    found = f"; skipped as incomplete: {', '.join(skipped)}" if skipped else ""
+    kind = "complete checkpoint" if skipped else "checkpoint"
+    return None, (
+        f"resume_from_checkpoint=True found no {kind} in output_dir={output_dir!r}{found}: training starts from step 0."
+    )
 
 
 def load_checkpoint_file(path: str, checkpoint: str, without_it: str, device: str | torch.device = "cpu") -> dict:
@@ -45,7 +111,7 @@ def save_generation_batch(
         "processes": accelerator.num_processes,
         "micro_batches": micro_batch_states(micro_batches),
     }
-    torch.save(batch, os.path.join(folder, GENERATION_BATCH_FILE.format(rank=accelerator.process_index)))
+    save_checkpoint_file(batch, os.path.join(folder, GENERATION_BATCH_FILE.format(rank=accelerator.process_index)))
 
 
 def load_generation_batch(

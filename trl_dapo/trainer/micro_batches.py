@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..rollout_batch import RolloutBatch, count_loss_tokens, select_rows, trim_padding
+from ..rollout_batch import RolloutBatch, select_rows, trim_padding
 from .step_metrics import StepMetrics
 
 # [micro_batch][pass] -> row indices, for one rank
@@ -51,19 +51,23 @@ def split_generation_batch(
     optimizer_steps: int,
     micro_batches: int,
     costs: Sequence[int] | None,
+    loss_tokens: Sequence[int],
     max_tokens: int | None,
     generator: torch.Generator,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of a global generation batch: rows shuffled (the same on every rank), cut into
     `optimizer_steps` steps of equal row counts (one more in the first ones), each planned by `costs` (a row's
-    tokens; None: every row costs one, an even deal by row count, for padded passes)."""
+    tokens; None: every row costs one, an even deal by row count, for padded passes). A step whose rows have no loss
+    token (`loss_tokens`: each row's) trains none of them: like a step without rows, it is skipped."""
     rows = batch["completion_ids"].size(0)
     order = torch.randperm(rows, generator=generator).tolist()
     costs = [1] * rows if costs is None else costs
     out: list[MicroBatch] = []
     for step_rows in _split_evenly(order, optimizer_steps):
+        tokens = sum(loss_tokens[row] for row in step_rows)
+        step_rows = step_rows if tokens else []
         plans = plan_step([costs[row] for row in step_rows], world, micro_batches, max_tokens)
-        step_tokens = count_loss_tokens(select_rows(batch, torch.tensor(step_rows, dtype=torch.long))).float()
+        step_tokens = torch.tensor(float(tokens))
         runs = [_passes_run_by_some_rank(plans, index) for index in range(micro_batches)]
         step_passes, metrics = sum(map(sum, runs)), StepMetrics()
         for index, micro_plan in enumerate(plans[rank]):

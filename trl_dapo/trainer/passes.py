@@ -96,22 +96,27 @@ class TrainingPasses:
         """Deal the global generation batch's rows to this rank's micro-batches and passes (`micro_batches.py`):
         padding-free by tokens, else by rows; then the old policy where it is recomputed.
 
-        An optimizer step with no rows at all (dynamic sampling trained on a partial batch) is skipped: no gradient
-        reaches the parameters (`.grad` stays None), so torch's optimizers leave them and their state alone; it is
-        counted in `dapo/skipped_steps` (under DeepSpeed, whose optimizers would step zero gradients, its update is
-        suspended for that step: `deepspeed_skip.py`). fp16's gradient scaler cannot skip one and refuses it."""
+        An optimizer step with no rows at all (dynamic sampling trained on a partial batch), or whose rows have no
+        loss token (every completion masked: truncated under `mask_truncated_completions`), is skipped: no gradient
+        reaches the parameters (`.grad` stays None), so torch's optimizers leave them and their state alone (a zero
+        gradient would not: AdamW's weight decay and momentum); it is counted in `dapo/skipped_steps` (under
+        DeepSpeed, whose optimizers would step zero gradients, its update is suspended for that step:
+        `deepspeed_skip.py`). fp16's gradient scaler cannot skip one and refuses it."""
         args, accumulation = self.args, self.args.gradient_accumulation_steps
         optimizer_steps = args.steps_per_generation // accumulation
-        costs = None
+        # each row's loss tokens and (padding-free: its cost) its tokens, in one host synchronisation
+        counts = [loss_mask(batch).sum(dim=1)]
         if self.padding_free:
-            costs = (batch["prompt_mask"].sum(dim=1) + batch["completion_mask"].sum(dim=1)).tolist()
+            counts.append(batch["prompt_mask"].sum(dim=1) + batch["completion_mask"].sum(dim=1))
+        loss_tokens, *costs = torch.stack([count.long() for count in counts]).tolist()
         micro_batches = split_generation_batch(
             batch,
             rank=self.accelerator.process_index,
             world=self.accelerator.num_processes,
             optimizer_steps=optimizer_steps,
             micro_batches=accumulation,
-            costs=costs,
+            costs=costs[0] if costs else None,
+            loss_tokens=loss_tokens,
             max_tokens=args.padding_free_max_tokens if self.padding_free else None,
             generator=torch.Generator().manual_seed(args.seed + self.step()),
         )
@@ -122,21 +127,38 @@ class TrainingPasses:
         )
         if empty_steps and self.accelerator.scaler is not None:
             raise ValueError(
-                "Dynamic sampling found no informative group for an optimizer step, which is then skipped, but fp16's "
-                "gradient scaler cannot step without gradients. Use bf16, or dynamic_sampling_on_limit='raise'."
+                "An optimizer step of this generation batch has no rollout row (dynamic sampling found no informative "
+                "group) or no loss token (every completion masked) and is skipped, but fp16's gradient scaler cannot "
+                "step without gradients. Use bf16, or dynamic_sampling_on_limit='raise'."
             )
         if empty_steps and self.accelerator.is_main_process:
+            rowless = self.num_iterations * max(0, optimizer_steps - batch["completion_ids"].size(0))
+            self._warn_skipped(rowless, empty_steps - rowless, optimizer_steps * self.num_iterations)
+        return micro_batches
+
+    def _warn_skipped(self, rowless: int, tokenless: int, steps: int) -> None:
+        """Say which optimizer steps of a generation batch (`steps` of them) are skipped, and why."""
+        unchanged = (
+            "are skipped (parameters and optimizer state unchanged; the step counter and learning-rate schedule "
+            "advance). %d skipped before, logged as dapo/skipped_steps."
+        )
+        if rowless:
             logger.warning(
                 "Dynamic sampling found too few informative groups within max_num_gen_batches=%d rounds: %d of the %d "
-                "optimizer steps of this generation batch have no rollout rows and are skipped (parameters and "
-                "optimizer state unchanged; the step counter and learning-rate schedule advance). %d skipped before, "
-                "logged as dapo/skipped_steps.",
-                args.max_num_gen_batches,
-                empty_steps,
-                optimizer_steps * self.num_iterations,
+                "optimizer steps of this generation batch have no rollout rows and " + unchanged,
+                self.args.max_num_gen_batches,
+                rowless,
+                steps,
                 self.skipped_steps,
             )
-        return micro_batches
+        if tokenless:
+            logger.warning(
+                "%d of the %d optimizer steps of this generation batch have rows but no loss token (every completion "
+                "masked: truncated under mask_truncated_completions=True, or tool output only) and " + unchanged,
+                tokenless,
+                steps,
+                self.skipped_steps,
+            )
 
     def _with_old_policy(self, micro_batches: list[MicroBatch]) -> None:
         """With `old_logprobs="recompute"`, this rank's rows get the training model's logprobs under the current

@@ -8,12 +8,18 @@ token-mean, dynamic sampling and padding-free training. It keeps TRL's hooks and
   serves (stream mode: hand back what the stream generated and scored) and record the engine's logprobs and the raw
   rewards in the round's context, which TRL's output drops.
 - `_get_per_token_logps_and_entropies`, `_compute_loss`: every logprob forward (packed where it applies) and each
-  micro-batch's passes with the DAPO loss (`passes.py`, `loss.py`, `mismatch.py`).
+  micro-batch's passes with the DAPO loss (`passes.py`, `loss.py`, `mismatch.py`); each training loss is handed to
+  the callback that skips a step whose loss or gradient is not finite (`finite_steps.py`).
 - `train`, `evaluation_loop`: padding-free, the model's attention goes through the packed dispatcher while they run
-  and is set back after (the model is the caller's).
-- `log`: `dapo/skipped_steps` as the count it is. `_save_checkpoint` / `_load_optimizer_and_scheduler`: the
-  buffer's surplus, every rank's carried groups (partial rollouts), the prompt stream's position and the skipped-step
-  count; inside a generation batch, each rank's micro-batches still to train (`checkpoint_files.py`).
+  and is set back after (the model is the caller's); `resume_from_checkpoint=True` resumes from the newest complete
+  checkpoint (`checkpoint_files.py`).
+- `_get_train_sampler`, `get_resumed_dataloader`: TRL's sampler, each epoch's order restored when a run resumes in a
+  later epoch (`epoch_order.py`).
+- `log`: `dapo/skipped_steps` and `dapo/nonfinite_steps` as the counts they are. `_save_checkpoint` /
+  `_load_optimizer_and_scheduler`: the buffer's surplus, every rank's carried groups (partial rollouts), the prompt
+  stream's position and the skipped-step counts; inside a generation batch, each rank's micro-batches still to train;
+  written before the Trainer's files, so no older checkpoint is deleted before a new one is complete
+  (`checkpoint_files.py`).
 """
 
 from __future__ import annotations
@@ -34,9 +40,18 @@ from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
 from ..rollout_batch import SAMPLING_STEP, RolloutBatch, num_rows
 from ..sampling import DynamicSamplingBuffer, GenerationStats, filter_groups, make_prompt_stream
 from .batch_metrics import append_metrics, rollout_metrics, trained_batch_metric_names, trained_batch_metrics
-from .checkpoint_files import load_checkpoint_file, load_generation_batch, save_generation_batch
+from .checkpoint_files import (
+    SAMPLING_STATE_FILE,
+    load_checkpoint_file,
+    load_generation_batch,
+    newest_complete_checkpoint,
+    save_checkpoint_file,
+    save_generation_batch,
+)
 from .config import DAPOConfig
 from .engine_choice import EngineWeights, select_rollout_engine, token_sampling
+from .epoch_order import EpochOrder, set_resumed_epoch
+from .finite_steps import FiniteSteps
 from .micro_batches import MicroBatch
 from .passes import TrainingPasses, set_up_padding_free
 from .round import TRLRounds, round_scores
@@ -45,8 +60,6 @@ from .set_up import check_set_up, filter_column
 from .trl_view import collector, engine_set_up, view_of
 
 logger = logging.getLogger(__name__)
-
-SAMPLING_STATE_FILE = "dapo_sampling_state.pt"
 
 
 class DAPOTrainer(GRPOTrainer):
@@ -115,6 +128,8 @@ class DAPOTrainer(GRPOTrainer):
         clips = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, clip_ratio_c=args.clip_ratio_c)
         router_aux_loss_coef = self.router_aux_loss_coef if self.aux_loss_enabled else None
         self.passes = TrainingPasses(view, self.padding_free, clips, router_aux_loss_coef, self.num_iterations)
+        self.finite_steps = FiniteSteps(self.accelerator, fp16=args.fp16)
+        self.add_callback(self.finite_steps)
         column = filter_column(args.dynamic_sampling_metric, self.reward_func_names)
         filter_metric = FilterMetric(column, self.reward_weights)
         self.rounds = TRLRounds(
@@ -193,6 +208,16 @@ class DAPOTrainer(GRPOTrainer):
             self._buffered_inputs = self.passes.micro_batches(self._collect_generation_batch(generation_batch))
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
+    def _get_train_sampler(self, dataset: Any = None) -> EpochOrder:
+        """TRL's sampler, each epoch's order restored when a run resumes in a later epoch (`epoch_order.py`)."""
+        return EpochOrder(super()._get_train_sampler(dataset))
+
+    def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
+        """The Trainer's, the resumed epoch's order set first: on several processes the skipping dataloader does not
+        hand `set_epoch` on to the sampler (`epoch_order.py`). Called for the resumed epoch only, inside it."""
+        set_resumed_epoch(dataloader, int(self.state.epoch))
+        return super().get_resumed_dataloader(dataloader, num_batches)
+
     def add_metrics(self, values: dict[str, float]) -> None:
         """Training metrics that join the next log, averaged with the other values since the last one (as TRL's
         are): what a callback measures between logs (`evaluation.MathAccuracyCallback`)."""
@@ -208,15 +233,29 @@ class DAPOTrainer(GRPOTrainer):
         return self.args.steps_per_generation * self.num_iterations
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """`dapo/skipped_steps` is a running count: logged as it stands, not averaged like TRL's per-step metrics."""
+        """`dapo/skipped_steps` and `dapo/nonfinite_steps` are running counts: logged as they stand, not averaged like
+        TRL's per-step metrics."""
         if self.model.training and "loss" in logs:
             logs["dapo/skipped_steps"] = float(self.passes.skipped_steps)
+            logs["dapo/nonfinite_steps"] = float(self.finite_steps.skipped_steps)
         super().log(logs, start_time)
 
-    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
-        """The Trainer's, with the model's attention switched for padding-free passes only while it runs."""
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> TrainOutput:
+        """The Trainer's, with the model's attention switched for padding-free passes only while it runs.
+        `resume_from_checkpoint=True` resumes from the newest complete checkpoint (the Trainer takes the highest
+        number, which a killed save leaves incomplete), and starts from step 0 where there is none; both with a
+        warning."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint, warning = newest_complete_checkpoint(self.args.output_dir)
+            if warning is not None and self.accelerator.is_main_process:
+                logger.warning(warning)
         with self.passes.attention():
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> EvalLoopOutput:
         """The Trainer's (`evaluate`, `predict`), its scoring passes packed as training's are."""
@@ -230,12 +269,17 @@ class DAPOTrainer(GRPOTrainer):
         return self.passes.logprobs(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
     def _compute_loss(self, model, inputs):
-        return self.passes.loss(model, inputs)
+        loss = self.passes.loss(model, inputs)
+        if isinstance(inputs, MicroBatch):  # a training step's: checked for a non-finite value (`finite_steps.py`)
+            self.finite_steps.record_loss(loss, inputs.ends_step, self.state.global_step + 1)
+        return loss
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
+        """DAPO's files first, then the Trainer's: it writes trainer_state.json last and only then deletes older
+        checkpoints, so none goes before the new one is complete (`checkpoint_files.py`). Never non-finite weights."""
+        self.finite_steps.check_weights(self.model, self.state.global_step)
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if position := self._step % self._generate_every():  # inside a generation batch
             save_generation_batch(folder, self.accelerator, position, self._buffered_inputs)
@@ -247,9 +291,13 @@ class DAPOTrainer(GRPOTrainer):
                 "buffer": self.sampling_buffer.state_dict(),
                 "prompt_stream": self.prompt_stream.state_dict() if self.prompt_stream is not None else None,
                 "skipped_steps": self.passes.skipped_steps,
+                "nonfinite_steps": self.finite_steps.skipped_steps,
                 "carried": every_rank,
             }
-            torch.save(state, os.path.join(folder, SAMPLING_STATE_FILE))
+            os.makedirs(folder, exist_ok=True)
+            save_checkpoint_file(state, os.path.join(folder, SAMPLING_STATE_FILE))
+        self.accelerator.wait_for_everyone()  # every rank's files are written before the main one deletes any
+        super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         path = os.path.join(checkpoint, SAMPLING_STATE_FILE) if checkpoint else None
@@ -276,6 +324,7 @@ class DAPOTrainer(GRPOTrainer):
             if self.prompt_stream is not None and state["prompt_stream"] is not None:
                 self.prompt_stream.load_state_dict(state["prompt_stream"])
             self.passes.skipped_steps = state["skipped_steps"]
+            self.finite_steps.skipped_steps = state.get("nonfinite_steps", 0)  # absent from earlier checkpoints
             self._load_carried(state.get("carried"), checkpoint)
         inside_batch = self.state.global_step * self.args.gradient_accumulation_steps % self._generate_every() != 0
         saved = load_generation_batch(checkpoint, self.accelerator, inside_batch) if checkpoint else None
