@@ -127,24 +127,30 @@ def resume_point(value: str | None) -> str | bool | None:
     return value
 
 
+def named_model(script_args: ScriptArguments, training_args: DAPOConfig, model_args: ModelConfig) -> str | None:
+    """`--model_name_or_path` (None without one), with what loads it set in `training_args.model_init_kwargs`, as
+    TRL's GRPO script loads a model: ModelConfig's loading fields, `--gguf_file`, then any model_init_kwargs given."""
+    if not model_args.model_name_or_path:
+        if script_args.gguf_file:
+            raise ValueError("--gguf_file names a file in the --model_name_or_path folder: give that folder too.")
+        return None
+    training_args.model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **({"gguf_file": script_args.gguf_file} if script_args.gguf_file else {}),
+        **(training_args.model_init_kwargs or {}),
+    }
+    return model_args.model_name_or_path
+
+
 def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: ModelConfig) -> dict:
     train_dataset, eval_dataset = load_datasets(script_args)
     reward_funcs = [dapo_math_reward]
     check_set_up(training_args, reward_funcs, train_dataset=train_dataset)  # before a model is built or loaded
-    if model_args.model_name_or_path:
-        model = model_args.model_name_or_path
-        # as TRL's GRPO script loads a model: ModelConfig's loading fields, then any model_init_kwargs given
-        training_args.model_init_kwargs = {
-            "revision": model_args.model_revision,
-            "trust_remote_code": training_args.trust_remote_code,
-            "attn_implementation": model_args.attn_implementation,
-            "dtype": model_args.dtype,
-            **({"gguf_file": script_args.gguf_file} if script_args.gguf_file else {}),
-            **(training_args.model_init_kwargs or {}),
-        }
-    elif script_args.gguf_file:
-        raise ValueError("--gguf_file names a file in the --model_name_or_path folder: give that folder too.")
-    else:
+    model = named_model(script_args, training_args, model_args)
+    if model is None:
         model = build_offline_model(script_args, training_args, train_dataset)
 
     trainer = DAPOTrainer(
