@@ -6,7 +6,7 @@ checkpoints are plain safetensors models, and resume; LoRA trains the adapter on
 their install command.
 
 The file is loaded three times for the module (about 15 s each on 2 cores): by path, by `model_init_kwargs`, and
-through transformers with its mark."""
+through transformers with its mark. Four DAPO steps run in all: two straight, one resumed, one with LoRA."""
 
 import copy
 import importlib.util
@@ -34,7 +34,7 @@ def small_args(output_dir, **overrides):
     """2 prompts x 2 generations x 16 tokens per step, with the paged engine (on the CPU: its reference attention)."""
     values = dict(
         num_generations=2, per_device_train_batch_size=4, max_completion_length=16, rollout_engine="paged",
-        dynamic_sampling=False, learning_rate=1e-3, max_steps=1,
+        dynamic_sampling=False, learning_rate=1e-3, max_steps=1, gradient_checkpointing=False,
     )  # fmt: skip
     values.update(overrides)
     return dapo_args(output_dir, **values)
@@ -113,6 +113,8 @@ def test_dapo_steps_save_plain_checkpoints_and_resume(by_path, tmp_path):
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    first = next(h for h in trainer.state.log_history if "loss" in h)
+    assert first["logprob_gap_max"] < 1e-3  # float32: the engine's logprobs are the training forward's, before updates
     checkpoint = trainer.args.output_dir + "/checkpoint-2"
     reloaded = AutoModelForCausalLM.from_pretrained(checkpoint)
     assert getattr(reloaded.config, "quantization_config", None) is None and not getattr(
@@ -134,18 +136,20 @@ def test_dapo_steps_save_plain_checkpoints_and_resume(by_path, tmp_path):
 
 
 @NEEDS_SMOLLM2
-def test_a_model_loaded_with_its_mark_trains_fully(smollm2, tmp_path):
-    """transformers marks a model it dequantized on its own as quantized; the trainer removes the mark (documented:
-    the object it trains in place) and reads the tokenizer from the same file."""
+def test_a_model_loaded_with_its_mark_is_fully_trainable(smollm2, tmp_path):
+    """transformers marks a model it dequantized on its own as quantized, and the Trainer then refuses to fine-tune
+    it fully (as it refuses to save it); DAPOTrainer removes the mark from the object it trains (documented), keeps
+    its weights, and reads the tokenizer from the same file. Training the dense model is the test above."""
     marked = AutoModelForCausalLM.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
     assert marked.is_quantized
     before = plain_weights(marked)
     trainer = gguf_trainer(marked, tmp_path)
     assert trainer.model is marked and not marked.is_quantized
-    assert trainer.processing_class.pad_token_id == 2 and trainer.processing_class.chat_template
-    trainer.train()
-    changed = [name for name, tensor in marked.state_dict().items() if not torch.equal(tensor, before[name])]
-    assert "model.layers.29.mlp.down_proj.weight" in changed and "model.embed_tokens.weight" in changed
+    assert not hasattr(marked.config, "quantization_config") and not hasattr(marked, "hf_quantizer")
+    assert all(parameter.requires_grad for parameter in marked.parameters())
+    for name, tensor in marked.state_dict().items():
+        torch.testing.assert_close(tensor, before[name], rtol=0, atol=0, msg=name)
+    assert trainer.processing_class.pad_token_id == 2 and "<|im_start|>" in trainer.processing_class.chat_template
 
 
 @NEEDS_SMOLLM2
@@ -166,6 +170,20 @@ def test_lora_on_the_gguf_model_trains_the_adapter_only(by_path, tmp_path):
         plain = name.replace(".base_layer", "")
         if plain in before:
             torch.testing.assert_close(tensor, before[plain], rtol=0, atol=0, msg=name)
+
+
+@NEEDS_SMOLLM2
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine's Triton kernels and CUDA graphs need CUDA")
+def test_dapo_steps_on_cuda_with_the_engine_kernels(smollm2, tmp_path):
+    """On CUDA the engine decodes in bf16 with its Triton kernels (3 query heads per KV head, padded) and CUDA graphs:
+    SmolLM2 trains with a finite loss, and the engine's logprobs stay close to the training forward's before any
+    update (bf16 on both sides)."""
+    trainer = gguf_trainer(str(smollm2), tmp_path, args={"use_cpu": False, "bf16": True, "max_steps": 2})
+    assert trainer.paged_engine is not None
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    assert logs[0]["logprob_gap_mean"] < 0.05 and logs[0]["logprob_gap_max"] < 1.0  # 0.009 / 0.05 at 0.5B (design.md)
 
 
 def hide(monkeypatch, module: str) -> None:
