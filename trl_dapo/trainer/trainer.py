@@ -24,6 +24,7 @@ token-mean, dynamic sampling and padding-free training. It keeps TRL's hooks and
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import Any, ClassVar
@@ -34,6 +35,7 @@ from torch import nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, TrainOutput
 from trl import GRPOTrainer
 
+from ..gguf import gguf_model_for_trainer
 from ..integrity import RolloutIntegrityError, check_rewards, checked_reward_function
 from ..models import ensure_float32_rotary
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
@@ -84,8 +86,10 @@ class DAPOTrainer(GRPOTrainer):
             kwargs["reward_processing_classes"] = list(kwargs["reward_processing_classes"])
         set_up = ("train_dataset", "eval_dataset", "tools", "rollout_func", "environment_factory")
         check_set_up(args, reward_funcs, **{name: kwargs.get(name) for name in set_up})  # before any model loads
+        built_by_trainer = isinstance(model, str)
+        model, args = self._load_gguf(model, args, kwargs)
         super().__init__(model, reward_funcs, args, **kwargs)
-        ensure_float32_rotary(self.model, built_by_trainer=isinstance(model, str))
+        ensure_float32_rotary(self.model, built_by_trainer=built_by_trainer)
         self.reward_funcs = [
             function if isinstance(function, nn.Module) else checked_reward_function(function, name)
             for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)
@@ -139,6 +143,21 @@ class DAPOTrainer(GRPOTrainer):
             trained_batch_metric_names=trained_batch_metric_names(self.reward_func_names),
         )
         self.collector = collector(self, self.rounds, filter_metric)
+
+    @staticmethod
+    def _load_gguf(model, args: DAPOConfig, kwargs: dict[str, Any]) -> tuple[Any, DAPOConfig]:
+        """A GGUF model (a `.gguf` path, `model_init_kwargs["gguf_file"]`, or a model transformers loaded from one),
+        which GRPOTrainer cannot load or fine-tune, loaded dense here with its tokenizer (`gguf.py`). Loaded from a
+        name, TRL is handed a copy of `args` whose `model_init_kwargs`, used here, are None: else it warns that they
+        were ignored."""
+        loaded = gguf_model_for_trainer(model, args, kwargs.get("processing_class"), kwargs.get("quantization_config"))
+        if loaded is None:
+            return model, args
+        named, (model, kwargs["processing_class"]) = isinstance(model, str), loaded
+        if named and args.model_init_kwargs is not None:
+            args = copy.copy(args)
+            args.model_init_kwargs = None
+        return model, args
 
     # ----------------------------------------------------------------------------------------------- generation
 

