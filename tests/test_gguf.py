@@ -20,7 +20,14 @@ from transformers import AutoModelForCausalLM
 
 from helpers import alternating_reward, arithmetic_prompts, dapo_args
 from trl_dapo import DAPOTrainer
-from trl_dapo.gguf import GGUF_INSTALL, SMOLLM2_FILE, SMOLLM2_INSTALL, load_gguf_causal_lm, shipped_smollm2
+from trl_dapo.gguf import (
+    GGUF_INSTALL,
+    SMOLLM2_FILE,
+    SMOLLM2_INSTALL,
+    load_gguf_causal_lm,
+    load_gguf_tokenizer,
+    shipped_smollm2,
+)
 from trl_dapo.rollout import TokenSampling
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
 
@@ -207,3 +214,26 @@ def test_gguf_with_a_quantization_config_is_refused_before_loading(tmp_path):
     (tmp_path / "model.gguf").write_bytes(b"")
     with pytest.raises(ValueError, match=re.escape("quantization_config: model.gguf is a GGUF file")):
         gguf_trainer(str(tmp_path / "model.gguf"), tmp_path, quantization_config=object())
+
+
+@NEEDS_SMOLLM2
+def test_the_tokenizer_takes_its_end_token_from_the_file(smollm2, monkeypatch):
+    """transformers 5.17 read SmolLM2's end token as `<|im_start|>` (id 1); the file names `<|im_end|>` (id 2), which
+    ends a turn. Reproduced by handing the loader a tokenizer whose end token is id 1."""
+    from transformers import AutoTokenizer
+
+    load = AutoTokenizer.from_pretrained
+
+    def as_transformers_5_17(*args, **kwargs):
+        tokenizer = load(*args, **kwargs)
+        tokenizer.eos_token = "<|im_start|>"
+        return tokenizer
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", as_transformers_5_17)
+    tokenizer = load_gguf_tokenizer(str(smollm2.parent), smollm2.name)
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (
+        "<|im_end|>",
+        2,
+        2,
+        1,
+    )

@@ -110,11 +110,27 @@ def remove_gguf_mark(model) -> None:
 
 
 def load_gguf_tokenizer(folder: str, gguf_file: str, **kwargs):
-    """The tokenizer (vocabulary, special tokens, chat template) stored in a GGUF file."""
+    """The tokenizer (vocabulary, special tokens, chat template) stored in a GGUF file, its beginning, end and padding
+    tokens the file's own: transformers 5.17 read SmolLM2's end token as `<|im_start|>` (id 1, where the file says
+    `<|im_end|>`, id 2), so `generate` would not stop at the end of a turn."""
     from transformers import AutoTokenizer
 
     _require_gguf()
-    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, **kwargs)
+    for role, token_id in _special_token_ids(Path(folder) / gguf_file).items():
+        if getattr(tokenizer, f"{role}_token_id") != token_id:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+    return tokenizer
+
+
+def _special_token_ids(path: Path) -> dict[str, int]:
+    """The `bos` / `eos` / `pad` token ids a GGUF file's metadata names."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    keys = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
+            "pad": "tokenizer.ggml.padding_token_id"}  # fmt: skip
+    return {role: int(fields[key].parts[-1][0]) for role, key in keys.items() if key in fields}
 
 
 def gguf_model_for_trainer(model: Any, args: Any, processing_class: Any, quantization_config: Any) -> tuple | None:
