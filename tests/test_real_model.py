@@ -137,6 +137,10 @@ def test_smoke_study_runs_end_to_end(tmp_path):
     for kind in (DAPO, GRPO, TRL_GRPO):
         run = json.loads(run_file(output, kind, 0).read_text())
         assert [p["step"] for p in run["curve"]] == [0, 1] and run["steps"] == 1
+        engine = "transformers generate" if kind == TRL_GRPO else "PagedRolloutEngine"
+        assert run["rollout_engine"] == engine and run["trainer"] == (
+            "GRPOTrainer" if kind == TRL_GRPO else "DAPOTrainer"
+        )
         assert run["curve"][0]["wall_clock_s"] == 0.0 < run["curve"][1]["wall_clock_s"] <= run["train_s"]
         assert 0.0 <= run["curve"][1]["avg@2"]["all"] <= run["curve"][1]["pass@2"]["all"] <= 1.0
         rows = config.prompts_per_step * config.num_generations
