@@ -270,6 +270,12 @@ def test_overlong_penalty_enters_the_reward_before_advantages(tiny_model, tmp_pa
         (lambda completion_ids, **kw: [None] * len(completion_ids), RolloutIntegrityError, "got no reward"),
         (lambda completion_ids, **kw: [math.inf] * len(completion_ids), RolloutIntegrityError, "returned inf"),
         (lambda completion_ids, **kw: [1.0], ValueError, "returned 1 rewards"),
+        # finite, but the group's standard deviation squares them past float32: every advantage would be 0
+        (
+            lambda completion_ids, **kw: [1e20 * (j % 2) for j in range(len(completion_ids))],
+            RolloutIntegrityError,
+            r"returned 1e\+20 for completion 1; rewards beyond ±1e\+15",
+        ),
     ],
 )
 def test_bad_rewards_stop_training_with_a_clear_error(tiny_model, tmp_path, reward, error, message):
@@ -350,6 +356,14 @@ def test_rollout_with_missing_logprobs_is_rejected(tiny_model, tmp_path):
 def test_unknown_filter_metric_is_rejected(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="dynamic_sampling_metric='accuracy' names no reward function"):
         make_trainer(tiny_model, tmp_path, dynamic_sampling_metric="accuracy")
+
+
+def test_a_filter_metric_naming_two_reward_functions_is_rejected(tiny_model, tmp_path):
+    twins = [lambda completion_ids, **kw: length_reward(completion_ids), lambda completion_ids, **kw: [0.0] * 8]
+    with pytest.raises(
+        ValueError, match=r"dynamic_sampling_metric='<lambda>' names 2 reward functions .*a `def` function"
+    ):
+        make_trainer(tiny_model, tmp_path, reward=twins, dynamic_sampling_metric="<lambda>")
 
 
 async def async_length_reward(completion_ids, **kwargs) -> list[float]:

@@ -15,13 +15,18 @@ import numpy as np
 import torch
 from trl.trainer.utils import is_async_callable
 
+# The group's standard deviation squares the rewards in float32 (largest 3.4e38): beyond this they overflow to inf and
+# every advantage becomes 0, a step that trains nothing.
+MAX_ABS_REWARD = 1e15
+
 
 class RolloutIntegrityError(ValueError):
     """A rollout batch violates an invariant the DAPO loss relies on."""
 
 
 def check_rewards(rewards_per_func: torch.Tensor, num_completions: int, reward_func_names: Sequence[str]) -> None:
-    """One finite reward per completion from at least one reward function (NaN = "this function does not apply")."""
+    """One finite reward (at most `MAX_ABS_REWARD` in size) per completion from at least one reward function (NaN =
+    "this function does not apply")."""
     if rewards_per_func.shape != (num_completions, len(reward_func_names)):
         raise RolloutIntegrityError(
             f"rewards: got shape {tuple(rewards_per_func.shape)} for {num_completions} completions and reward "
@@ -33,6 +38,14 @@ def check_rewards(rewards_per_func: torch.Tensor, num_completions: int, reward_f
         raise RolloutIntegrityError(
             f"rewards: reward function '{reward_func_names[col]}' returned {rewards_per_func[row, col].item()} for "
             f"completion {row}; return a finite number (or None when the function does not apply)."
+        )
+    huge = rewards_per_func.abs() > MAX_ABS_REWARD
+    if huge.any():
+        row, col = (int(i) for i in huge.nonzero()[0])
+        raise RolloutIntegrityError(
+            f"rewards: reward function '{reward_func_names[col]}' returned {rewards_per_func[row, col].item():.3g} for "
+            f"completion {row}; rewards beyond ±{MAX_ABS_REWARD:.0e} overflow the group's standard deviation (float32), "
+            "which makes every advantage 0: scale the reward down (e.g. to [-1, 1])."
         )
     unscored = torch.isnan(rewards_per_func).all(dim=1)
     if unscored.any():

@@ -34,7 +34,7 @@ def reward_function_names(reward_funcs: Any, args: DAPOConfig) -> list[str]:
 
 
 def filter_column(metric: str | None, names: Sequence[str]) -> int | None:
-    """The reward column dynamic sampling filters on: `metric` names one of `names` (None: the first, task
+    """The reward column dynamic sampling filters on: `metric` names exactly one of `names` (None: the first, task
     accuracy), or is `"reward"` for the weighted total (None is returned)."""
     if metric is None:
         return 0
@@ -44,6 +44,13 @@ def filter_column(metric: str | None, names: Sequence[str]) -> int | None:
         raise ValueError(
             f"DAPOConfig.dynamic_sampling_metric={metric!r} names no reward function; use one of {list(names)} or "
             "'reward' for the weighted total."
+        )
+    if list(names).count(metric) > 1:
+        raise ValueError(
+            f"DAPOConfig.dynamic_sampling_metric={metric!r} names {list(names).count(metric)} reward functions "
+            f"({list(names)}): which one to filter on is ambiguous. Give the one to filter on its own name (a `def` "
+            "function, or `functools.wraps`/`__name__` on a lambda or partial) and name it here, or leave the field "
+            "None to filter on the first."
         )
     return list(names).index(metric)
 
