@@ -24,6 +24,10 @@ CASES = [
     ("Answer: 34" + " filler" * 100, "34", -1.0),  # the Answer: line is not in the last 300 characters
     ("x" * 100_000 + "\nAnswer: 7", "7", 1.0),  # huge completion: only the tail is read
     ("Answer: \ufffd\ufffd\x00\x07}}{{\\frac{", "34", -1.0),  # garbage never raises
+    # a missing ground truth is never matched
+    ("Answer: None", None, -1.0),
+    ("Answer: $$", "", -1.0),
+    ("Answer: $ $", "  ", -1.0),
 ]
 
 
@@ -75,6 +79,34 @@ def test_load_plain_layout_applies_the_template(tmp_path):
 def test_missing_columns_are_named_with_the_columns_found(tmp_path, row, missing):
     with pytest.raises(ValueError, match=f"required column {missing} is missing; columns found: \\["):
         load_math_dataset(write_jsonl(tmp_path / "bad.jsonl", [row]))
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (
+            [{"question": "Find x.", "answer": "1"}, {"question": "Find y.", "answer": None}],
+            r"row 1 has no value in column 'answer'",
+        ),
+        (
+            [
+                {"problem": "Find x.", "answer": "1"},
+                {"problem": "Find y.", "answer": "2"},
+                {"problem": None, "answer": "3"},
+            ],
+            r"row 2 has no value in column 'problem'",
+        ),
+        ([{"question": "Find x.", "answer": " "}], r"row 0 has no value in column 'answer'"),
+        (
+            [{"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": None}}],
+            r"row 0 has no value in column 'reward_model.ground_truth'",
+        ),
+        ([{"prompt": None, "reward_model": {"ground_truth": "2"}}], r"row 0 has no value in column 'prompt'"),
+    ],
+)
+def test_rows_without_a_question_or_an_answer_are_named(tmp_path, rows, message):
+    with pytest.raises(ValueError, match=message):
+        load_math_dataset(write_jsonl(tmp_path / "gaps.jsonl", rows))
 
 
 def test_missing_file_is_reported(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 from datasets import Dataset, DatasetDict, Value, load_dataset
 
@@ -38,17 +39,37 @@ def _missing(columns: list[str], need: str) -> ValueError:
     )
 
 
+def _is_blank(value: Any) -> bool:
+    """None, a string of spaces or an empty message list."""
+    if isinstance(value, str):
+        return not value.strip()
+    return value is None or value == []
+
+
+def _check_rows(name: str, values: list[Any]) -> None:
+    """Every row holds a value in column `name`: a null question would become the text "None", a null answer a
+    ground truth no completion can match."""
+    blank = [index for index, value in enumerate(values) if _is_blank(value)]
+    if blank:
+        more = f" (and {len(blank) - 1} more: rows {blank[1:6]}{'...' if len(blank) > 6 else ''})" if blank[1:] else ""
+        raise ValueError(
+            f"math dataset: row {blank[0]}{more} has no value in column {name!r} (null or empty); drop such rows "
+            "before loading (e.g. `dataset.filter(...)`) or fill them in."
+        )
+
+
 def to_prompt_answer(dataset: Dataset, template: str = PROMPT_TEMPLATE) -> Dataset:
-    """Map either layout to `prompt` (conversation) + `answer` (string), dropping other columns."""
+    """Map either layout to `prompt` (conversation) + `answer` (string), dropping other columns; a row without a
+    question or an answer is an error naming it."""
     columns = list(dataset.column_names)
     if "reward_model" in columns:
         if "prompt" not in columns:
             raise _missing(columns, "`prompt`")
+        _check_rows("prompt", dataset["prompt"])
+        _check_rows("reward_model.ground_truth", [(row or {}).get("ground_truth") for row in dataset["reward_model"]])
 
         def from_dapo(row):
-            truth = (row["reward_model"] or {}).get("ground_truth")
-            if truth is None:
-                raise _missing(columns, "`reward_model.ground_truth`")
+            truth = row["reward_model"]["ground_truth"]
             prompt = row["prompt"]
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
             return {"prompt": messages, "answer": str(truth)}
@@ -59,6 +80,8 @@ def to_prompt_answer(dataset: Dataset, template: str = PROMPT_TEMPLATE) -> Datas
         raise _missing(columns, "`problem` (or `question`)")
     if "answer" not in columns:
         raise _missing(columns, "`answer`")
+    _check_rows(problem, dataset[problem])
+    _check_rows("answer", dataset["answer"])
 
     dataset = dataset.cast_column("answer", Value("string"))  # numeric answers compare as text
 

@@ -2,7 +2,8 @@
 
 As the reference recipe: only the last 300 characters are searched, and the last `Answer:` match counts. Equality is
 math-verify's (symbolic: `1/2` = `\\frac{1}{2}` = `0.5`), with an exact match of normalised strings as the fallback
-when math-verify cannot parse one side. A completion that cannot be scored gets -1 and is counted, never raised.
+when math-verify cannot parse one side. A completion that cannot be scored gets -1 and is counted, never raised; a
+missing ground truth (None, empty) matches nothing.
 """
 
 from __future__ import annotations
@@ -60,11 +61,18 @@ def _text(completion: Any) -> str:
     return str(completion)
 
 
-def score_answer(completion: Any, ground_truth: str) -> tuple[float, bool]:
-    """(reward, parsed): +1/-1, and whether an `Answer:` line was found."""
+def is_missing(ground_truth: Any) -> bool:
+    """No ground truth (None, or nothing left once normalised): no answer can match it, `Answer: None` included."""
+    return ground_truth is None or normalize(str(ground_truth)) == ""
+
+
+def score_answer(completion: Any, ground_truth: str | None) -> tuple[float, bool]:
+    """(reward, parsed): +1/-1 (always -1 against a missing ground truth), and whether an `Answer:` line was found."""
     answer = extract_answer(_text(completion))
     if answer is None:
         return INCORRECT, False
+    if is_missing(ground_truth):
+        return INCORRECT, True
     return (CORRECT if is_equivalent(answer, str(ground_truth)) else INCORRECT), True
 
 
