@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -313,14 +314,52 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     )
 
     def __post_init__(self) -> None:
-        check_field_rules(self)  # types and ranges first: every later check, TRL's included, compares values
-        self._reject_unhonoured_fields()
-        self._validate_dapo_fields()
+        self._derived: dict[str, object] = {}  # fields left None and derived from others, with what they became
+        self._check_dapo_fields()
         if self.bf16 is None and not self.fp16:
             # TRL turns bf16 on by default, and TrainingArguments then refuses to start where bf16 cannot run (a
             # machine without a bf16 GPU, unless use_cpu=True): turn it on only where it can run.
             self.bf16 = self.use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available()
         super().__post_init__()
+        self._check_and_derive_after_trl()
+
+    def checked_copy(self) -> DAPOConfig:
+        """A copy the trainer owns, checked again: a notebook may change a field after construction (`c.beta = 0.5`),
+        which no check would see. A field left None and derived from others (`overlong_buffer_len`, `epsilon_high`,
+        `max_surplus_age`) is derived again from their current values unless it was set since; the caller's config
+        is left as it is."""
+        config = copy.copy(self)
+        config._derived = {}
+        for name, derived in self._derived.items():
+            if getattr(self, name) == derived:
+                setattr(config, name, None)
+        config._check_dapo_fields()
+        rows = config.per_device_train_batch_size * config.world_size * config.steps_per_generation
+        if config.generation_batch_size != rows:
+            raise invalid_value(
+                "generation_batch_size",
+                config.generation_batch_size,
+                f"TRL derived it when the config was built, and per_device_train_batch_size "
+                f"({config.per_device_train_batch_size}) x processes ({config.world_size}) x steps_per_generation "
+                f"({config.steps_per_generation}) = {rows} now: a batch field changed since. Build a new DAPOConfig "
+                "with the batch sizes you want.",
+            )
+        config._check_whole_groups()
+        config._check_and_derive_after_trl()
+        return config
+
+    def _derive(self, name: str, value: object) -> None:
+        setattr(self, name, value)
+        self._derived[name] = value
+
+    def _check_dapo_fields(self) -> None:
+        """What is checked before TRL's and transformers' own `__post_init__` compares any value."""
+        check_field_rules(self)  # types and ranges first: every later check, TRL's included, compares values
+        self._reject_unhonoured_fields()
+        self._validate_dapo_fields()
+
+    def _check_and_derive_after_trl(self) -> None:
+        """What needs TRL's derived batch fields (`steps_per_generation`)."""
         if self.steps_per_generation % self.gradient_accumulation_steps != 0:
             raise invalid_value(
                 "steps_per_generation",
@@ -329,9 +368,10 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 "optimizer step draws its micro-batches from one generation batch and its token count is known.",
             )
         if self.max_surplus_age is None:
-            self.max_surplus_age = self.steps_per_generation // self.gradient_accumulation_steps * self.num_iterations
+            age = self.steps_per_generation // self.gradient_accumulation_steps * self.num_iterations
+            self._derive("max_surplus_age", age)
         if self.overlong_buffer_len is None:
-            self.overlong_buffer_len = self.max_completion_length // 5
+            self._derive("overlong_buffer_len", self.max_completion_length // 5)
         if self.overlong_buffer_len >= self.max_completion_length:
             raise invalid_value(
                 "overlong_buffer_len",
@@ -415,7 +455,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     def _validate_dapo_fields(self) -> None:
         """Reject settings that would silently stop this from being DAPO, naming the field and the fix."""
         if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
+            self._derive("epsilon_high", self.epsilon)
         if self.epsilon_high < self.epsilon:
             raise invalid_value(
                 "epsilon_high",

@@ -64,6 +64,7 @@ class DAPOTrainer(GRPOTrainer):
             args = DAPOConfig(output_dir=f"{str(name).split('/')[-1]}-DAPO")
         if not isinstance(args, DAPOConfig):
             raise TypeError(f"DAPOTrainer needs args=DAPOConfig(...), got {type(args).__name__}.")
+        args = args.checked_copy()  # checked again (a field may have changed since), never the caller's object
         # TRL replaces hub ids by loaded models inside these lists: hand it copies, never the caller's own.
         if isinstance(reward_funcs, list):
             reward_funcs = list(reward_funcs)
