@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from datasets import IterableDataset
+from datasets import Dataset, IterableDataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
@@ -975,3 +975,31 @@ def test_resuming_a_checkpoint_without_the_sampling_state_is_refused_with_dynami
     plain = make_trainer(tiny_model, tmp_path / "plain", dynamic_sampling=False, **{**settings, "max_steps": 2})
     plain.train(resume_from_checkpoint=str(checkpoint))
     assert plain.state.global_step == 2  # step 1 from the checkpoint, then one more
+
+
+@pytest.mark.parametrize("blank", ["", "   ", None])
+def test_an_empty_or_missing_prompt_is_named_by_its_row_at_set_up(tiny_model, tmp_path, blank):
+    prompts = [f"What is {i} + 1?" for i in range(8)]
+    prompts[5] = blank
+    dataset = Dataset.from_dict({"prompt": prompts})
+    with pytest.raises(ValueError, match=rf"train_dataset row 5 has no prompt \({blank!r}\)"):
+        make_trainer(tiny_model, tmp_path, dataset=dataset)
+
+
+@pytest.mark.parametrize(
+    ("settings", "words", "limit"),
+    [
+        (dict(max_prompt_length=40), 20, r"40 \(max_prompt_length\)"),
+        # unset: the model's context (2,048 positions) less max_completion_length (8)
+        ({}, 800, r"2040 \(the model's 2048 positions less max_completion_length 8"),
+    ],
+)
+def test_a_prompt_longer_than_the_limit_is_named_before_generation(tiny_model, tmp_path, settings, words, limit):
+    long_prompt = [{"role": "user", "content": "What is " + " + ".join(["1"] * words) + "?"}]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    length = len(tokenizer.apply_chat_template(long_prompt, add_generation_prompt=True, return_dict=True)["input_ids"])
+    dataset = Dataset.from_dict({"prompt": [long_prompt, *arithmetic_prompts(8)["prompt"][1:]]})
+    trainer = make_trainer(tiny_model, tmp_path, dataset=dataset, max_steps=1, dynamic_sampling=False, **settings)
+    with pytest.raises(ValueError, match=rf"prompt \d of this batch \('What is 1 \+ 1 \+ .* has {length} tokens, more "
+                       rf"than the limit of {limit}"):  # fmt: skip
+        trainer.train()

@@ -202,6 +202,11 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             longer than the cap trains alone. `None`: one pass per micro-batch (its share of the step's tokens). With
             `padding_free=False` a cap is an error; where the passes fall back to padded it does not apply, and a
             warning says so once.
+        max_prompt_length (`int` or `None`, *optional*, defaults to `None`):
+            Most tokens in a prompt (chat template included): a longer prompt is an error naming it, its length and
+            the limit, before anything is generated from it (TRL 1.16 dropped its field of this name, which truncated:
+            a truncated problem is another problem with the same ground truth). `None`: the model's
+            `max_position_embeddings` less `max_completion_length`.
     """
 
     bf16: bool | None = field(
@@ -312,6 +317,11 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     padding_free_max_tokens: int | None = field(
         default=None, metadata={"help": "Most tokens per padding-free forward/backward pass; None = no cap."}
     )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={"help": "Most prompt tokens; a longer prompt is an error naming it. None: the model's positions "
+                  "less max_completion_length."},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self._derived: dict[str, object] = {}  # fields left None and derived from others, with what they became

@@ -150,6 +150,7 @@ FIELD_RULES: dict[str, Rule] = {
     "rollout_correction_min": _number(0, 1, optional=True, hint="IcePop: 0.5"),
     "padding_free": _OPTIONAL_SWITCH,
     "padding_free_max_tokens": _count(1, optional=True, hint="a number of tokens per pass"),
+    "max_prompt_length": _count(1, optional=True, hint="a number of tokens, e.g. 2048"),
 }
 
 

@@ -23,6 +23,7 @@ from .collect import CandidateRounds, Collector, OneRound
 from .config import DAPOConfig
 from .engine_choice import unusable_engine, why_settings_rule_out_engine
 from .partial import PartialCandidateRounds, PartialRounds
+from .prompts import check_dataset_prompts
 from .streamed import StreamedGroups
 
 
@@ -67,7 +68,7 @@ def collection_strategy(args: DAPOConfig) -> type[Collector]:
 def check_datasets(
     args: DAPOConfig, train_dataset: Any, eval_dataset: Any, processes: int, prompts_from_environment: bool
 ) -> None:
-    """Prompts must be there, enough for one generation batch (the sampler yields whole generation batches only, so
+    """Prompts must be there (each row's too), enough for one generation batch (the sampler yields whole generation batches only, so
     a smaller set would train 0 steps), and an evaluation set must not be empty (it would evaluate on 0 samples)."""
     named = {"train_dataset": train_dataset} if train_dataset is not None else {}
     evaluated = eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]
@@ -89,6 +90,8 @@ def check_datasets(
                     f"{name} has no 'prompt' column (columns: {columns}); DAPOTrainer, like GRPOTrainer, reads "
                     "each prompt from it: rename the column holding the prompts to 'prompt'."
                 )
+            if columns is not None and hasattr(dataset, "__len__"):  # a stream's prompts are checked per batch
+                check_dataset_prompts(name, dataset["prompt"])
     if train_dataset is None:
         return
     needed = args.generation_batch_size // args.num_generations

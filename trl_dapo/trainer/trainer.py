@@ -39,6 +39,7 @@ from .config import DAPOConfig
 from .engine_choice import EngineWeights, select_rollout_engine, token_sampling
 from .micro_batches import MicroBatch
 from .passes import TrainingPasses, set_up_padding_free
+from .prompts import check_batch_prompts, check_prompt_ids, prompt_token_limit
 from .round import TRLRounds, round_scores
 from .scoring import FilterMetric
 from .set_up import check_set_up, filter_column
@@ -74,6 +75,8 @@ class DAPOTrainer(GRPOTrainer):
         check_set_up(args, reward_funcs, **{name: kwargs.get(name) for name in set_up})  # before any model loads
         super().__init__(model, reward_funcs, args, **kwargs)
         ensure_float32_rotary(self.model, built_by_trainer=isinstance(model, str))
+        positions = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
+        self.prompt_limit = prompt_token_limit(args.max_prompt_length, positions, args.max_completion_length)
         self.reward_funcs = [
             function if isinstance(function, nn.Module) else checked_reward_function(function, name)
             for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)
@@ -127,6 +130,13 @@ class DAPOTrainer(GRPOTrainer):
         self.collector = collector(self, self.rounds, filter_metric)
 
     # ----------------------------------------------------------------------------------------------- generation
+
+    def _tokenize_prompts(self, prompts: list):
+        """TRL's, with each prompt checked before anything is generated from it (`prompts.py`)."""
+        check_batch_prompts(prompts)
+        tokenized = super()._tokenize_prompts(prompts)
+        check_prompt_ids(prompts, tokenized[0], *self.prompt_limit)
+        return tokenized
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         context = self.rounds.current
