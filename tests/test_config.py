@@ -213,7 +213,12 @@ def test_the_new_users_bad_numbers_are_refused_naming_the_field(overrides, messa
         (dict(num_generations="4"), "num_generations='4' is a str, not an int: pass num_generations=4 ("),
         (dict(learning_rate="3e-5"), "learning_rate='3e-5' is a str, not a number: pass learning_rate=3e-05 ("),
         (dict(dynamic_sampling="False"), "dynamic_sampling='False' is a str, not a bool (True or False): pass "),
-        (dict(per_device_train_batch_size=16.0), "per_device_train_batch_size=16.0 is a float, not an int."),
+        (
+            dict(per_device_train_batch_size=16.0),
+            "per_device_train_batch_size=16.0 is a float, not an int: pass per_device_train_batch_size=16.",
+        ),
+        (dict(max_steps=2.0), "max_steps=2.0 is a float, not an int: pass max_steps=2."),
+        (dict(max_steps=2.5), "max_steps=2.5 is a float, not an int."),
         (dict(max_num_gen_batches=True), "max_num_gen_batches=True is a bool, not an int."),
         (dict(reward_weights="1.0"), "reward_weights='1.0' is a str, not a list of numbers or None."),
         (dict(reward_weights=["1.0"]), "reward_weights=['1.0'] is invalid: every weight must be a finite number"),

@@ -19,7 +19,8 @@ def test_good_rewards_pass_including_nan_for_a_function_that_does_not_apply():
     [
         (torch.tensor([[1.0, 0.0]]), 2, "rewards: got shape"),
         (torch.tensor([[1.0, math.inf], [0.0, 0.0]]), 2, "'overlong_penalty' returned inf for completion 0"),
-        (torch.tensor([[1.0, 0.0], [math.nan, math.nan]]), 2, "completion 1 .* got no reward"),
+        (torch.tensor([[1.0, 0.0], [math.nan, math.nan]]), 2, r"rewards: completion 1 got no reward"),
+        (torch.tensor([[math.nan, math.nan]] * 3), 3, r"rewards: completion 0 \(and 2 more\) got no reward"),
     ],
 )
 def test_bad_rewards(rewards, count, message):

@@ -32,6 +32,7 @@ from trl_dapo.trainer.checkpoint_files import GENERATION_BATCH_FILE
 from trl_dapo.trainer.collect import RoundProgress
 from trl_dapo.trainer.micro_batches import MicroBatch
 from trl_dapo.trainer.round import RoundContext, RoundScores
+from trl_dapo.trainer.set_up import check_datasets
 from trl_dapo.trainer.step_metrics import StepMetrics
 from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE
 
@@ -731,6 +732,14 @@ def test_a_missing_prompt_column_is_named_when_the_trainer_is_built(tiny_model, 
         )
 
 
+def test_one_prompt_is_a_prompt(tmp_path):
+    args = dapo_args(tmp_path, per_device_train_batch_size=8)
+    with pytest.raises(
+        ValueError, match=r"train_dataset has 1 prompt, fewer than one generation batch takes: 2 prompts"
+    ):
+        check_datasets(args, arithmetic_prompts(1), None, processes=1, prompts_from_environment=False)
+
+
 @pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "streaming"])
 def test_a_run_that_would_train_zero_steps_is_an_error(tiny_model, tmp_path, streaming):
     dataset = arithmetic_prompts(3)  # one generation batch = 16 rows / 4 samples = 4 prompts
@@ -1003,3 +1012,11 @@ def test_a_prompt_longer_than_the_limit_is_named_before_generation(tiny_model, t
     with pytest.raises(ValueError, match=rf"prompt \d of this batch \('What is 1 \+ 1 \+ .* has {length} tokens, more "
                        rf"than the limit of {limit}"):  # fmt: skip
         trainer.train()
+
+
+def test_an_output_dir_that_cannot_be_written_is_named_before_training(tiny_model, tmp_path):
+    """It failed at the first save, after the steps before it had run."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"DAPOConfig.output_dir='.*a-file/out' cannot be written: .* save_strategy"):
+        make_trainer(tiny_model, blocker / "out", save_strategy="steps", save_steps=1)

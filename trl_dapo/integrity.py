@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from trl.trainer.utils import is_async_callable
 
+from .text import and_more
+
 # The group's standard deviation squares the rewards in float32 (largest 3.4e38): beyond this they overflow to inf and
 # every advantage becomes 0, a step that trains nothing.
 MAX_ABS_REWARD = 1e15
@@ -51,7 +53,7 @@ def check_rewards(rewards_per_func: torch.Tensor, num_completions: int, reward_f
     if unscored.any():
         row = int(unscored.nonzero()[0])
         raise RolloutIntegrityError(
-            f"rewards: completion {row} (and {int(unscored.sum()) - 1} more) got no reward: every reward function "
+            f"rewards: completion {row}{and_more(int(unscored.sum()))} got no reward: every reward function "
             f"{list(reward_func_names)} returned None/NaN; at least one must score each completion."
         )
 

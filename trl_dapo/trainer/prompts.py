@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..text import and_more
+
 
 def is_blank(prompt: Any) -> bool:
     """None, a string of spaces, or a conversation with no message or no text in any of them."""
@@ -26,9 +28,8 @@ def check_dataset_prompts(name: str, prompts: Sequence[Any]) -> None:
     """Each row of a dataset's `prompt` column holds a prompt, else an error naming the first row without one."""
     blank = [row for row, prompt in enumerate(prompts) if is_blank(prompt)]
     if blank:
-        more = f" (and {len(blank) - 1} more)" if len(blank) > 1 else ""
         raise ValueError(
-            f"{name} row {blank[0]}{more} has no prompt ({prompts[blank[0]]!r}): nothing to generate from. Drop such "
+            f"{name} row {blank[0]}{and_more(len(blank))} has no prompt ({prompts[blank[0]]!r}): nothing to generate from. Drop such "
             "rows (e.g. `dataset.filter(lambda row: row['prompt'])`) or fill them in."
         )
 

@@ -11,7 +11,9 @@ the model), it checks again.
 from __future__ import annotations
 
 import itertools
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from datasets import IterableDataset
@@ -19,6 +21,7 @@ from torch import nn
 from trl.trainer.utils import get_callable_name, get_config_model_id
 
 from ..rewards.overlong import OVERLONG_REWARD_NAME
+from ..text import plural
 from .collect import CandidateRounds, Collector, OneRound
 from .config import DAPOConfig
 from .engine_choice import unusable_engine, why_settings_rule_out_engine
@@ -101,7 +104,8 @@ def check_datasets(
         size = sum(1 for _ in itertools.islice(train_dataset, needed))
     if size < needed:
         raise ValueError(
-            f"train_dataset has {size} prompts, fewer than one generation batch takes: {needed} prompts = "
+            f"train_dataset has {plural(size, 'prompt')}, fewer than one generation batch takes: "
+            f"{plural(needed, 'prompt')} = "
             f"generation_batch_size ({args.generation_batch_size} completions = per_device_train_batch_size "
             f"{args.per_device_train_batch_size} x {processes} processes x steps_per_generation "
             f"{args.steps_per_generation}) / num_generations ({args.num_generations}). The sampler yields whole "
@@ -138,6 +142,26 @@ def check_set_up(
             raise unusable_engine(args.rollout_engine, reason)
     collection_strategy(args).check(args, _as_list(reward_funcs), names, rollout_func, calls_tools)
     check_datasets(args, train_dataset, eval_dataset, args.world_size, environment_factory is not None)
+    check_output_dir(args)
+
+
+def check_output_dir(args: DAPOConfig) -> None:
+    """Checkpoints can be written into `output_dir` (a write tried in it, or in the nearest folder above it that
+    exists): a read-only one failed only at the first save, after the steps before it had run."""
+    if args.save_strategy == "no":
+        return
+    folder = Path(args.output_dir).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"DAPOConfig.output_dir={args.output_dir!r} cannot be written: creating a file in {str(folder)!r} failed "
+            f"({error.strerror}), so the first checkpoint would fail. Choose a writable folder, or "
+            "save_strategy='no'."
+        ) from error
 
 
 def _as_list(reward_funcs: Any) -> list:
