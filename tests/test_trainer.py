@@ -284,6 +284,15 @@ def test_bad_rewards_stop_training_with_a_clear_error(tiny_model, tmp_path, rewa
         make_trainer(tiny_model, tmp_path, reward=reward, max_steps=1).train()
 
 
+def test_a_weighted_reward_beyond_the_bound_stops_training(tiny_model, tmp_path):
+    def large(completion_ids, **kwargs):
+        return [1e10 * (j % 2) for j in range(len(completion_ids))]
+
+    trainer = make_trainer(tiny_model, tmp_path, reward=large, reward_weights=[1e10], max_steps=1)
+    with pytest.raises(RolloutIntegrityError, match=r"completion 1's weighted reward 1e\+20 is beyond"):
+        trainer.train()
+
+
 def returns_a_string(completion_ids, **kwargs):
     return "1.0"
 

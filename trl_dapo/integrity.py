@@ -58,6 +58,20 @@ def check_rewards(rewards_per_func: torch.Tensor, num_completions: int, reward_f
         )
 
 
+def check_weighted_total(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> None:
+    """The weighted sum each advantage is taken of stays within `MAX_ABS_REWARD` too: a large weight on a fine
+    reward overflows the group's standard deviation just the same."""
+    totals = (rewards_per_func * reward_weights.to(rewards_per_func.device)).nansum(dim=1)
+    huge = totals.abs() > MAX_ABS_REWARD
+    if huge.any():
+        row = int(huge.nonzero()[0])
+        raise RolloutIntegrityError(
+            f"rewards: completion {row}'s weighted reward {totals[row].item():.3g} is beyond ±{MAX_ABS_REWARD:.0e}, "
+            "which overflows the group's standard deviation (float32) and makes every advantage 0: lower "
+            "reward_weights or scale the rewards down."
+        )
+
+
 def check_reward_values(values: Any, name: str) -> None:
     """A reward function returns a sequence of numbers (None where it does not apply): anything else would reach TRL
     as an error that does not name the function (`too many dimensions 'str'`, `'NoneType' object is not iterable`)."""

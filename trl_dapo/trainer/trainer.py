@@ -28,7 +28,7 @@ from torch import nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, TrainOutput
 from trl import GRPOTrainer
 
-from ..integrity import RolloutIntegrityError, check_rewards, checked_reward_function
+from ..integrity import RolloutIntegrityError, check_rewards, check_weighted_total, checked_reward_function
 from ..models import ensure_float32_rotary
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
 from ..rollout_batch import SAMPLING_STEP, RolloutBatch, num_rows
@@ -173,6 +173,7 @@ class DAPOTrainer(GRPOTrainer):
         check_rewards(
             rewards_per_func[:, task], len(prompts) * self.accelerator.num_processes, self.reward_func_names[task]
         )
+        check_weighted_total(rewards_per_func, self.reward_weights)
         if context is not None:  # evaluation batches stay TRL's own
             ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}
             context.record_scores(round_scores(rewards_per_func, completion_ids_list, ends, self.accelerator))
