@@ -79,14 +79,22 @@ class EquivalenceWorker:
         process.stdin.close()
         process.stdout.close()
 
+    def start(self) -> None:
+        """Start the worker now (importing math-verify takes seconds), so no answer's or batch's time is spent on it."""
+        with self._lock:
+            self._ensure_started()
+
+    def _ensure_started(self) -> None:
+        if self._owner != os.getpid():
+            self._process, self._owner = None, os.getpid()
+        if self._process is None or self._process.poll() is not None:
+            self._process = self._start()
+
     def equivalent(self, answer: str, ground_truth: str, timeout: float) -> bool | None:
         """Whether math-verify finds `answer` equal to `ground_truth`; None when it took more than `timeout`
         seconds (counted from when the worker has the question, not while another thread's question runs)."""
         with self._lock:
-            if self._owner != os.getpid():
-                self._process, self._owner = None, os.getpid()
-            if self._process is None or self._process.poll() is not None:
-                self._process = self._start()
+            self._ensure_started()
             self._process.stdin.write(json.dumps([answer, ground_truth]) + "\n")
             self._process.stdin.flush()
             verdict = self._read(self._process, timeout)

@@ -106,6 +106,7 @@ def dapo_math_reward(
     """TRL reward function: reads the `answer` column; logs accuracy, the share of completions with no `Answer:` and
     the share whose equivalence math-verify did not decide. Each completion gets math-verify for at most
     `ANSWER_TIMEOUT` seconds and the call for at most `batch_time_limit` seconds; past that, the string match."""
+    _WORKER.start()  # its start-up (seconds) is spent before the batch's time starts
     deadline = time.monotonic() + batch_time_limit(len(completions))
     scored, late = [], 0
     for completion, truth in zip(completions, answer, strict=True):
