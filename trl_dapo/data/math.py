@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
 
 from datasets import Dataset, DatasetDict, Value, load_dataset
 
 from ..rewards.math import PROMPT_TEMPLATE
+from .blank import blank_rows
 
 DAPO_MATH_17K = "BytedTsinghua-SIA/DAPO-Math-17k"
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -39,18 +39,12 @@ def _missing(columns: list[str], need: str) -> ValueError:
     )
 
 
-def _is_blank(value: Any) -> bool:
-    """None, a string of spaces or an empty message list."""
-    if isinstance(value, str):
-        return not value.strip()
-    return value is None or value == []
-
-
-def _check_rows(name: str, values: list[Any]) -> None:
-    """Every row holds a value in column `name`: a null question would become the text "None", a null answer a
-    ground truth no completion can match."""
-    blank = [index for index, value in enumerate(values) if _is_blank(value)]
+def _check_rows(dataset: Dataset, column: str, field: str | None = None) -> None:
+    """Every row holds a value in `column` (its `field`): a null question would become the text "None", a null answer
+    a ground truth no completion can match."""
+    blank = blank_rows(dataset, column, field)
     if blank:
+        name = column if field is None else f"{column}.{field}"
         more = f" (and {len(blank) - 1} more: rows {blank[1:6]}{'...' if len(blank) > 6 else ''})" if blank[1:] else ""
         raise ValueError(
             f"math dataset: row {blank[0]}{more} has no value in column {name!r} (null or empty); drop such rows "
@@ -65,8 +59,8 @@ def to_prompt_answer(dataset: Dataset, template: str = PROMPT_TEMPLATE) -> Datas
     if "reward_model" in columns:
         if "prompt" not in columns:
             raise _missing(columns, "`prompt`")
-        _check_rows("prompt", dataset["prompt"])
-        _check_rows("reward_model.ground_truth", [(row or {}).get("ground_truth") for row in dataset["reward_model"]])
+        _check_rows(dataset, "prompt")
+        _check_rows(dataset, "reward_model", "ground_truth")
 
         def from_dapo(row):
             truth = row["reward_model"]["ground_truth"]
@@ -80,8 +74,8 @@ def to_prompt_answer(dataset: Dataset, template: str = PROMPT_TEMPLATE) -> Datas
         raise _missing(columns, "`problem` (or `question`)")
     if "answer" not in columns:
         raise _missing(columns, "`answer`")
-    _check_rows(problem, dataset[problem])
-    _check_rows("answer", dataset["answer"])
+    _check_rows(dataset, problem)
+    _check_rows(dataset, "answer")
 
     dataset = dataset.cast_column("answer", Value("string"))  # numeric answers compare as text
 

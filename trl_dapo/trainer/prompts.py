@@ -12,25 +12,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..data.blank import blank_rows, is_blank
 from ..text import and_more
 
 
-def is_blank(prompt: Any) -> bool:
-    """None, a string of spaces, or a conversation with no message or no text in any of them."""
-    if isinstance(prompt, str):
-        return not prompt.strip()
-    if isinstance(prompt, list):
-        return all(not isinstance(message, dict) or is_blank(message.get("content")) for message in prompt)
-    return prompt is None
-
-
-def check_dataset_prompts(name: str, prompts: Sequence[Any]) -> None:
+def check_dataset_prompts(name: str, dataset: Any) -> None:
     """Each row of a dataset's `prompt` column holds a prompt, else an error naming the first row without one."""
-    blank = [row for row, prompt in enumerate(prompts) if is_blank(prompt)]
+    blank = blank_rows(dataset, "prompt")
     if blank:
         raise ValueError(
-            f"{name} row {blank[0]}{and_more(len(blank))} has no prompt ({prompts[blank[0]]!r}): nothing to generate from. Drop such "
-            "rows (e.g. `dataset.filter(lambda row: row['prompt'])`) or fill them in."
+            f"{name} row {blank[0]}{and_more(len(blank))} has no prompt ({dataset[blank[0]]['prompt']!r}): nothing "
+            "to generate from. Drop such rows (e.g. `dataset.filter(lambda row: row['prompt'])`) or fill them in."
         )
 
 

@@ -94,7 +94,7 @@ def check_datasets(
                     "each prompt from it: rename the column holding the prompts to 'prompt'."
                 )
             if columns is not None and hasattr(dataset, "__len__"):  # a stream's prompts are checked per batch
-                check_dataset_prompts(name, dataset["prompt"])
+                check_dataset_prompts(name, dataset)
     if train_dataset is None:
         return
     needed = args.generation_batch_size // args.num_generations
