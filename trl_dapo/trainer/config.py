@@ -340,7 +340,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         is left as it is."""
         config = copy.copy(self)
         config._derived = {}
-        for name, derived in self._derived.items():
+        for name, derived in getattr(self, "_derived", {}).items():  # none in a config pickled by an older version
             if getattr(self, name) == derived:
                 setattr(config, name, None)
         config._check_dapo_fields()
