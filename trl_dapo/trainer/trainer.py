@@ -7,6 +7,8 @@ token-mean, dynamic sampling and padding-free training. It keeps TRL's hooks and
 - `_generate_single_turn`, `_calculate_rewards`: inside a round, generate with the paged rollout engine where it
   serves (stream mode: hand back what the stream generated and scored) and record the engine's logprobs and the raw
   rewards in the round's context, which TRL's output drops.
+- `_tokenize_prompts`: TRL's, with each prompt checked first (missing, empty, longer than `max_prompt_length`;
+  `prompts.py`), in every generation path, evaluation's included.
 - `_get_per_token_logps_and_entropies`, `_compute_loss`: every logprob forward (packed where it applies) and each
   micro-batch's passes with the DAPO loss (`passes.py`, `loss.py`, `mismatch.py`).
 - `train`, `evaluation_loop`: padding-free, the model's attention goes through the packed dispatcher while they run
