@@ -15,7 +15,8 @@ rank. With `--rollout` it launches each `config:generation` of `--rollout-runs` 
 all ranks (the slowest rank's generation time) and per GPU, the step time (against `single_gpu`'s when it ran), the
 training time (the step past generating and scoring its batch), the largest engine-vs-training logprob gap (it stays
 at rounding size only if the engine decodes with the training weights) and the peak memory per rank. Prints a table
-last and writes `benchmarks/results/bench_multi_gpu[_rollout]_<device>.json`.
+last and writes `benchmarks/results/bench_multi_gpu[_rollout]_<device>.json` (`--tiny`: in a temporary folder, printed;
+`--output` chooses).
 """
 
 from __future__ import annotations
@@ -157,6 +158,13 @@ def rollout_speed(args, model: str, folder: Path, save) -> list[dict]:
     return rows
 
 
+def output_path(output: str | None, tiny: bool, rollout: bool, device: str, scratch: Path) -> Path:
+    """`--output`, else `benchmarks/results/` for a measurement and the run's scratch folder for a `--tiny` smoke run
+    (which would otherwise leave an untracked file among the measured results)."""
+    name = f"bench_multi_gpu{'_rollout' if rollout else ''}_{device}.json"
+    return Path(output) if output else (scratch if tiny else HERE / "results") / name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
@@ -194,8 +202,7 @@ def main() -> None:
     model = "tiny" if args.tiny else args.model or model
     folder = Path(tempfile.mkdtemp())
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    name = f"bench_multi_gpu{'_rollout' if args.rollout else ''}_{device}.json"
-    output = Path(args.output or HERE / "results" / name)
+    output = output_path(args.output, args.tiny, args.rollout, device, folder)
     output.parent.mkdir(parents=True, exist_ok=True)
     setup = {"model": model, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}
 

@@ -363,3 +363,17 @@ def test_check_launch_config_rollout_finds_zero3_first_rollout_equal_to_single_g
         assert {c for c in compared if runs["zero3#1"][c] is not None} == zero3_differs, runs["zero3#1"]
         assert all(runs["single_gpu#0"][c] is None for c in compared)
         assert runs["zero3#1"]["generated_tokens"] == runs["single_gpu#0"]["generated_tokens"] > 0
+
+
+def test_the_tiny_multi_gpu_bench_writes_outside_the_repository_unless_told():
+    """`--tiny` is a smoke run: its JSON left an untracked file in benchmarks/results, among the measured ones."""
+    from benchmarks.bench_multi_gpu import output_path
+
+    scratch = Path("scratch")
+    assert (
+        output_path(None, tiny=True, rollout=False, device="cpu", scratch=scratch)
+        == scratch / "bench_multi_gpu_cpu.json"
+    )
+    measured = output_path(None, tiny=False, rollout=True, device="cuda", scratch=scratch)
+    assert measured == ROOT / "benchmarks" / "results" / "bench_multi_gpu_rollout_cuda.json"
+    assert output_path("here.json", tiny=True, rollout=False, device="cpu", scratch=scratch) == Path("here.json")

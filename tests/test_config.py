@@ -213,7 +213,12 @@ def test_the_new_users_bad_numbers_are_refused_naming_the_field(overrides, messa
         (dict(num_generations="4"), "num_generations='4' is a str, not an int: pass num_generations=4 ("),
         (dict(learning_rate="3e-5"), "learning_rate='3e-5' is a str, not a number: pass learning_rate=3e-05 ("),
         (dict(dynamic_sampling="False"), "dynamic_sampling='False' is a str, not a bool (True or False): pass "),
-        (dict(per_device_train_batch_size=16.0), "per_device_train_batch_size=16.0 is a float, not an int."),
+        (
+            dict(per_device_train_batch_size=16.0),
+            "per_device_train_batch_size=16.0 is a float, not an int: pass per_device_train_batch_size=16.",
+        ),
+        (dict(max_steps=2.0), "max_steps=2.0 is a float, not an int: pass max_steps=2."),
+        (dict(max_steps=2.5), "max_steps=2.5 is a float, not an int."),
         (dict(max_num_gen_batches=True), "max_num_gen_batches=True is a bool, not an int."),
         (dict(reward_weights="1.0"), "reward_weights='1.0' is a str, not a list of numbers or None."),
         (dict(reward_weights=["1.0"]), "reward_weights=['1.0'] is invalid: every weight must be a finite number"),
@@ -384,3 +389,47 @@ def test_the_demo_batch_on_other_process_counts_names_the_fields_and_the_counts_
     for works in (1, 2):
         monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self, count=works: count))
         assert make(**batch).steps_per_generation == 2 // works
+
+
+def trainer_with(tiny_model, config):
+    from helpers import arithmetic_prompts, length_reward
+    from trl_dapo import DAPOTrainer
+
+    return DAPOTrainer(model=tiny_model, reward_funcs=length_reward, args=config, train_dataset=arithmetic_prompts(8))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("beta", 0.5, r"DAPOConfig.beta=0.5 is invalid"),
+        ("epsilon_high", 0.1, r"DAPOConfig.epsilon_high=0.1 is invalid: Clip-Higher needs epsilon_high >= epsilon"),
+        ("max_completion_length", "8", r"DAPOConfig.max_completion_length='8' is a str, not an int"),
+        ("max_steps", 2.0, r"DAPOConfig.max_steps=2.0 is a float, not an int"),
+        ("per_device_train_batch_size", 8, r"DAPOConfig.generation_batch_size=4 is invalid: .* = 8 now"),
+    ],
+)
+def test_a_field_changed_after_construction_is_checked_when_the_trainer_is_built(tiny_model, field, value, message):
+    config = make(per_device_train_batch_size=4, num_generations=4, max_completion_length=8)
+    setattr(config, field, value)
+    with pytest.raises((ValueError, TypeError), match=message):
+        trainer_with(tiny_model, config)
+
+
+def test_a_derived_field_follows_its_changed_base_and_the_callers_config_is_left_alone(tiny_model):
+    config = make(per_device_train_batch_size=4, num_generations=4, max_completion_length=20, epsilon_high=None)
+    assert (config.overlong_buffer_len, config.epsilon_high) == (4, 0.2)
+    config.max_completion_length, config.epsilon = 8, 0.25
+    trainer = trainer_with(tiny_model, config)
+    # not set by the caller: derived again from the changed fields, on the trainer's own copy
+    assert (trainer.args.overlong_buffer_len, trainer.args.epsilon_high) == (1, 0.25)
+    assert trainer.args is not config
+    assert (config.overlong_buffer_len, config.epsilon_high, config.max_completion_length) == (4, 0.2, 8)
+
+
+def test_a_field_the_caller_set_is_checked_against_its_changed_base(tiny_model):
+    config = make(per_device_train_batch_size=4, num_generations=4, max_completion_length=20, overlong_buffer_len=6)
+    config.max_completion_length = 6
+    with pytest.raises(
+        ValueError, match=r"DAPOConfig.overlong_buffer_len=6 is invalid: use 0 \(off\) or a value below"
+    ):
+        trainer_with(tiny_model, config)

@@ -286,6 +286,7 @@ PINNED_SIGNATURES = {
     "quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None",
     "_generate_single_turn": "self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False",
     "_calculate_rewards": "self, inputs, prompts, completions, completion_ids_list",
+    "_tokenize_prompts": "self, prompts",
     "_generate_and_score_completions": "self, inputs",
     "_prepare_inputs": "self, generation_batch",
     "_compute_loss": "self, model, inputs",

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from trl_dapo.integrity import RolloutIntegrityError, check_completions, check_groups, check_rewards
+from trl_dapo.integrity import (
+    RolloutIntegrityError,
+    check_completions,
+    check_groups,
+    check_rewards,
+    check_weighted_total,
+)
 
 NAMES = ["accuracy", "overlong_penalty"]
 
@@ -19,7 +25,8 @@ def test_good_rewards_pass_including_nan_for_a_function_that_does_not_apply():
     [
         (torch.tensor([[1.0, 0.0]]), 2, "rewards: got shape"),
         (torch.tensor([[1.0, math.inf], [0.0, 0.0]]), 2, "'overlong_penalty' returned inf for completion 0"),
-        (torch.tensor([[1.0, 0.0], [math.nan, math.nan]]), 2, "completion 1 .* got no reward"),
+        (torch.tensor([[1.0, 0.0], [math.nan, math.nan]]), 2, r"rewards: completion 1 got no reward"),
+        (torch.tensor([[math.nan, math.nan]] * 3), 3, r"rewards: completion 0 \(and 2 more\) got no reward"),
     ],
 )
 def test_bad_rewards(rewards, count, message):
@@ -57,3 +64,10 @@ def test_completion_alignment_and_finite_logprobs():
     bad[0, 1] = math.nan
     with pytest.raises(RolloutIntegrityError, match="old_per_token_logps: value nan at completion 0, token 1"):
         check_completions(ids, mask, bad)
+
+
+def test_a_weighted_total_beyond_the_bound_is_refused_naming_the_weights():
+    rewards = torch.tensor([[1e10, 0.0], [0.0, 1.0]])
+    check_weighted_total(rewards, torch.tensor([1.0, 1.0]))  # within the bound
+    with pytest.raises(RolloutIntegrityError, match=r"completion 0's weighted reward 1e\+20 .* reward_weights"):
+        check_weighted_total(rewards, torch.tensor([1e10, 1.0]))

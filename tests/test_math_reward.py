@@ -1,11 +1,16 @@
 """The DAPO math reward on real cases, and the dataset loaders on local files."""
 
 import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from trl_dapo.data import arithmetic_dataset, load_math_dataset
+from trl_dapo.rewards import math as math_reward
+from trl_dapo.rewards.equivalence import EquivalenceWorker
 from trl_dapo.rewards.math import dapo_math_reward, extract_answer, score_answer
+from trl_dapo.rewards.safe_expression import why_costly
 
 CASES = [
     ("Let me think.\nAnswer: 34", "34", 1.0),
@@ -24,6 +29,10 @@ CASES = [
     ("Answer: 34" + " filler" * 100, "34", -1.0),  # the Answer: line is not in the last 300 characters
     ("x" * 100_000 + "\nAnswer: 7", "7", 1.0),  # huge completion: only the tail is read
     ("Answer: \ufffd\ufffd\x00\x07}}{{\\frac{", "34", -1.0),  # garbage never raises
+    # a missing ground truth is never matched
+    ("Answer: None", None, -1.0),
+    ("Answer: $$", "", -1.0),
+    ("Answer: $ $", "  ", -1.0),
 ]
 
 
@@ -37,7 +46,73 @@ def test_conversational_completions_and_logged_metrics():
     completions = [[{"role": "assistant", "content": "Answer: 7"}], [{"role": "assistant", "content": "no idea"}]]
     rewards = dapo_math_reward(completions, answer=["7", "7"], log_metric=logged.__setitem__)
     assert rewards == [1.0, -1.0]
-    assert logged == {"math/accuracy": 0.5, "math/unparsable_ratio": 0.5}
+    assert logged == {"math/accuracy": 0.5, "math/unparsable_ratio": 0.5, "math/undecided_ratio": 0.0}
+
+
+SYMBOLIC = [("Answer: 0.5", "1/2", 1.0), ("Answer: \\frac{1}{2}", "0.5", 1.0), ("Answer: 1/3", "1/2", -1.0)]
+
+
+def test_equivalence_is_the_same_in_a_thread_pool():
+    """math-verify's own timeout is signal.alarm, which raises off the main thread: 0.5 against 1/2 scored -1 there."""
+    on_main = [score_answer(completion, truth).reward for completion, truth, _ in SYMBOLIC]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        in_threads = list(pool.map(lambda case: score_answer(case[0], case[1]).reward, SYMBOLIC * 2))
+    assert on_main == [reward for _, _, reward in SYMBOLIC]
+    assert in_threads == on_main * 2
+
+
+HOSTILE = [
+    "9^{9^{9^{9}}}",
+    "99999999!",
+    "10^{10^{10}}",
+    "9^9^9",
+    "2**2**100",
+    "9^{123456789}",
+    "(10^{5})!",
+    "(9!)!",
+    "1" * 201,
+]
+
+
+@pytest.mark.parametrize("answer", HOSTILE)
+def test_answers_too_costly_to_evaluate_are_rejected_before_evaluation(answer):
+    assert why_costly(answer) is not None
+
+
+@pytest.mark.parametrize("answer", ["x^2 + y^2", "2^{10}", "5!", "\\frac{1}{2}", "(2n)!", "3^{1000}", "e^{i\\pi}"])
+def test_ordinary_answers_are_evaluated(answer):
+    assert why_costly(answer) is None
+
+
+def test_hostile_answers_are_string_matched_and_counted():
+    logged = {}
+    completions = [f"Answer: {answer}" for answer in HOSTILE] + ["Answer: 0.5"]
+    rewards = dapo_math_reward(completions, answer=["3"] * len(HOSTILE) + ["1/2"], log_metric=logged.__setitem__)
+    assert rewards == [-1.0] * len(HOSTILE) + [1.0]
+    assert logged["math/undecided_ratio"] == pytest.approx(len(HOSTILE) / (len(HOSTILE) + 1))
+
+
+def test_past_the_batch_bound_answers_are_string_matched_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(math_reward, "BATCH_SECONDS", 0.0)
+    monkeypatch.setattr(math_reward, "BATCH_SECONDS_PER_COMPLETION", 0.0)
+    logged = {}
+    with caplog.at_level(logging.WARNING):
+        rewards = dapo_math_reward(
+            ["Answer: 0.5", "Answer: 1/2"], answer=["1/2", "1/2"], log_metric=logged.__setitem__
+        )
+    assert rewards == [-1.0, 1.0]  # the string match alone: 0.5 is not decided equal to 1/2
+    assert logged["math/undecided_ratio"] == 0.5
+    assert "the last 2 were string-matched" in caplog.text
+
+
+def test_a_worker_out_of_time_gives_no_verdict_and_the_next_one_answers():
+    worker = EquivalenceWorker()
+    try:
+        assert worker.equivalent("0.5", "1/2", timeout=0.0) is None
+        assert worker.equivalent("0.5", "1/2", timeout=30.0) is True
+        assert worker.equivalent("0.4", "1/2", timeout=30.0) is False
+    finally:
+        worker.close()
 
 
 def test_extract_answer_takes_the_last_line_value():
@@ -75,6 +150,34 @@ def test_load_plain_layout_applies_the_template(tmp_path):
 def test_missing_columns_are_named_with_the_columns_found(tmp_path, row, missing):
     with pytest.raises(ValueError, match=f"required column {missing} is missing; columns found: \\["):
         load_math_dataset(write_jsonl(tmp_path / "bad.jsonl", [row]))
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (
+            [{"question": "Find x.", "answer": "1"}, {"question": "Find y.", "answer": None}],
+            r"row 1 has no value in column 'answer'",
+        ),
+        (
+            [
+                {"problem": "Find x.", "answer": "1"},
+                {"problem": "Find y.", "answer": "2"},
+                {"problem": None, "answer": "3"},
+            ],
+            r"row 2 has no value in column 'problem'",
+        ),
+        ([{"question": "Find x.", "answer": " "}], r"row 0 has no value in column 'answer'"),
+        (
+            [{"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": None}}],
+            r"row 0 has no value in column 'reward_model.ground_truth'",
+        ),
+        ([{"prompt": None, "reward_model": {"ground_truth": "2"}}], r"row 0 has no value in column 'prompt'"),
+    ],
+)
+def test_rows_without_a_question_or_an_answer_are_named(tmp_path, rows, message):
+    with pytest.raises(ValueError, match=message):
+        load_math_dataset(write_jsonl(tmp_path / "gaps.jsonl", rows))
 
 
 def test_missing_file_is_reported(tmp_path):

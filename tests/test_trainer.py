@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from datasets import IterableDataset
+from datasets import Dataset, IterableDataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
@@ -32,6 +32,7 @@ from trl_dapo.trainer.checkpoint_files import GENERATION_BATCH_FILE
 from trl_dapo.trainer.collect import RoundProgress
 from trl_dapo.trainer.micro_batches import MicroBatch
 from trl_dapo.trainer.round import RoundContext, RoundScores
+from trl_dapo.trainer.set_up import check_datasets
 from trl_dapo.trainer.step_metrics import StepMetrics
 from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE
 
@@ -270,11 +271,26 @@ def test_overlong_penalty_enters_the_reward_before_advantages(tiny_model, tmp_pa
         (lambda completion_ids, **kw: [None] * len(completion_ids), RolloutIntegrityError, "got no reward"),
         (lambda completion_ids, **kw: [math.inf] * len(completion_ids), RolloutIntegrityError, "returned inf"),
         (lambda completion_ids, **kw: [1.0], ValueError, "returned 1 rewards"),
+        # finite, but the group's standard deviation squares them past float32: every advantage would be 0
+        (
+            lambda completion_ids, **kw: [1e20 * (j % 2) for j in range(len(completion_ids))],
+            RolloutIntegrityError,
+            r"returned 1e\+20 for completion 1; rewards beyond ±1e\+15",
+        ),
     ],
 )
 def test_bad_rewards_stop_training_with_a_clear_error(tiny_model, tmp_path, reward, error, message):
     with pytest.raises(error, match=message):
         make_trainer(tiny_model, tmp_path, reward=reward, max_steps=1).train()
+
+
+def test_a_weighted_reward_beyond_the_bound_stops_training(tiny_model, tmp_path):
+    def large(completion_ids, **kwargs):
+        return [1e10 * (j % 2) for j in range(len(completion_ids))]
+
+    trainer = make_trainer(tiny_model, tmp_path, reward=large, reward_weights=[1e10], max_steps=1)
+    with pytest.raises(RolloutIntegrityError, match=r"completion 1's weighted reward 1e\+20 is beyond"):
+        trainer.train()
 
 
 def returns_a_string(completion_ids, **kwargs):
@@ -350,6 +366,14 @@ def test_rollout_with_missing_logprobs_is_rejected(tiny_model, tmp_path):
 def test_unknown_filter_metric_is_rejected(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="dynamic_sampling_metric='accuracy' names no reward function"):
         make_trainer(tiny_model, tmp_path, dynamic_sampling_metric="accuracy")
+
+
+def test_a_filter_metric_naming_two_reward_functions_is_rejected(tiny_model, tmp_path):
+    twins = [lambda completion_ids, **kw: length_reward(completion_ids), lambda completion_ids, **kw: [0.0] * 8]
+    with pytest.raises(
+        ValueError, match=r"dynamic_sampling_metric='<lambda>' names 2 reward functions .*a `def` function"
+    ):
+        make_trainer(tiny_model, tmp_path, reward=twins, dynamic_sampling_metric="<lambda>")
 
 
 async def async_length_reward(completion_ids, **kwargs) -> list[float]:
@@ -717,6 +741,14 @@ def test_a_missing_prompt_column_is_named_when_the_trainer_is_built(tiny_model, 
         )
 
 
+def test_one_prompt_is_a_prompt(tmp_path):
+    args = dapo_args(tmp_path, per_device_train_batch_size=8)
+    with pytest.raises(
+        ValueError, match=r"train_dataset has 1 prompt, fewer than one generation batch takes: 2 prompts"
+    ):
+        check_datasets(args, arithmetic_prompts(1), None, processes=1, prompts_from_environment=False)
+
+
 @pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "streaming"])
 def test_a_run_that_would_train_zero_steps_is_an_error(tiny_model, tmp_path, streaming):
     dataset = arithmetic_prompts(3)  # one generation batch = 16 rows / 4 samples = 4 prompts
@@ -961,3 +993,39 @@ def test_resuming_a_checkpoint_without_the_sampling_state_is_refused_with_dynami
     plain = make_trainer(tiny_model, tmp_path / "plain", dynamic_sampling=False, **{**settings, "max_steps": 2})
     plain.train(resume_from_checkpoint=str(checkpoint))
     assert plain.state.global_step == 2  # step 1 from the checkpoint, then one more
+
+
+@pytest.mark.parametrize("blank", ["", "   ", None])
+def test_an_empty_or_missing_prompt_is_named_by_its_row_at_set_up(tiny_model, tmp_path, blank):
+    prompts = [f"What is {i} + 1?" for i in range(8)]
+    prompts[5] = blank
+    dataset = Dataset.from_dict({"prompt": prompts})
+    with pytest.raises(ValueError, match=rf"train_dataset row 5 has no prompt \({blank!r}\)"):
+        make_trainer(tiny_model, tmp_path, dataset=dataset)
+
+
+@pytest.mark.parametrize(
+    ("settings", "words", "limit"),
+    [
+        (dict(max_prompt_length=40), 20, r"40 \(max_prompt_length\)"),
+        # unset: the model's context (2,048 positions) less max_completion_length (8)
+        ({}, 800, r"2040 \(the model's 2048 positions less max_completion_length 8"),
+    ],
+)
+def test_a_prompt_longer_than_the_limit_is_named_before_generation(tiny_model, tmp_path, settings, words, limit):
+    long_prompt = [{"role": "user", "content": "What is " + " + ".join(["1"] * words) + "?"}]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    length = len(tokenizer.apply_chat_template(long_prompt, add_generation_prompt=True, return_dict=True)["input_ids"])
+    dataset = Dataset.from_dict({"prompt": [long_prompt, *arithmetic_prompts(8)["prompt"][1:]]})
+    trainer = make_trainer(tiny_model, tmp_path, dataset=dataset, max_steps=1, dynamic_sampling=False, **settings)
+    with pytest.raises(ValueError, match=rf"prompt \d of this batch \('What is 1 \+ 1 \+ .* has {length} tokens, more "
+                       rf"than the limit of {limit}"):  # fmt: skip
+        trainer.train()
+
+
+def test_an_output_dir_that_cannot_be_written_is_named_before_training(tiny_model, tmp_path):
+    """It failed at the first save, after the steps before it had run."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"DAPOConfig.output_dir='.*a-file/out' cannot be written: .* save_strategy"):
+        make_trainer(tiny_model, blocker / "out", save_strategy="steps", save_steps=1)

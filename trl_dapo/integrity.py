@@ -15,13 +15,20 @@ import numpy as np
 import torch
 from trl.trainer.utils import is_async_callable
 
+from .text import and_more
+
+# The group's standard deviation squares the rewards in float32 (largest 3.4e38): beyond this they overflow to inf and
+# every advantage becomes 0, a step that trains nothing.
+MAX_ABS_REWARD = 1e15
+
 
 class RolloutIntegrityError(ValueError):
     """A rollout batch violates an invariant the DAPO loss relies on."""
 
 
 def check_rewards(rewards_per_func: torch.Tensor, num_completions: int, reward_func_names: Sequence[str]) -> None:
-    """One finite reward per completion from at least one reward function (NaN = "this function does not apply")."""
+    """One finite reward (at most `MAX_ABS_REWARD` in size) per completion from at least one reward function (NaN =
+    "this function does not apply")."""
     if rewards_per_func.shape != (num_completions, len(reward_func_names)):
         raise RolloutIntegrityError(
             f"rewards: got shape {tuple(rewards_per_func.shape)} for {num_completions} completions and reward "
@@ -34,12 +41,34 @@ def check_rewards(rewards_per_func: torch.Tensor, num_completions: int, reward_f
             f"rewards: reward function '{reward_func_names[col]}' returned {rewards_per_func[row, col].item()} for "
             f"completion {row}; return a finite number (or None when the function does not apply)."
         )
+    huge = rewards_per_func.abs() > MAX_ABS_REWARD
+    if huge.any():
+        row, col = (int(i) for i in huge.nonzero()[0])
+        raise RolloutIntegrityError(
+            f"rewards: reward function '{reward_func_names[col]}' returned {rewards_per_func[row, col].item():.3g} for "
+            f"completion {row}; rewards beyond ±{MAX_ABS_REWARD:.0e} overflow the group's standard deviation (float32), "
+            "which makes every advantage 0: scale the reward down (e.g. to [-1, 1])."
+        )
     unscored = torch.isnan(rewards_per_func).all(dim=1)
     if unscored.any():
         row = int(unscored.nonzero()[0])
         raise RolloutIntegrityError(
-            f"rewards: completion {row} (and {int(unscored.sum()) - 1} more) got no reward: every reward function "
+            f"rewards: completion {row}{and_more(int(unscored.sum()))} got no reward: every reward function "
             f"{list(reward_func_names)} returned None/NaN; at least one must score each completion."
+        )
+
+
+def check_weighted_total(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> None:
+    """The weighted sum each advantage is taken of stays within `MAX_ABS_REWARD` too: a large weight on a fine
+    reward overflows the group's standard deviation just the same."""
+    totals = (rewards_per_func * reward_weights.to(rewards_per_func.device)).nansum(dim=1)
+    huge = totals.abs() > MAX_ABS_REWARD
+    if huge.any():
+        row = int(huge.nonzero()[0])
+        raise RolloutIntegrityError(
+            f"rewards: completion {row}'s weighted reward {totals[row].item():.3g} is beyond ±{MAX_ABS_REWARD:.0e}, "
+            "which overflows the group's standard deviation (float32) and makes every advantage 0: lower "
+            "reward_weights or scale the rewards down."
         )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from datasets import Dataset, DatasetDict, Value, load_dataset
 
 from ..rewards.math import PROMPT_TEMPLATE
+from .blank import blank_rows
 
 DAPO_MATH_17K = "BytedTsinghua-SIA/DAPO-Math-17k"
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -38,17 +39,31 @@ def _missing(columns: list[str], need: str) -> ValueError:
     )
 
 
+def _check_rows(dataset: Dataset, column: str, field: str | None = None) -> None:
+    """Every row holds a value in `column` (its `field`): a null question would become the text "None", a null answer
+    a ground truth no completion can match."""
+    blank = blank_rows(dataset, column, field)
+    if blank:
+        name = column if field is None else f"{column}.{field}"
+        more = f" (and {len(blank) - 1} more: rows {blank[1:6]}{'...' if len(blank) > 6 else ''})" if blank[1:] else ""
+        raise ValueError(
+            f"math dataset: row {blank[0]}{more} has no value in column {name!r} (null or empty); drop such rows "
+            "before loading (e.g. `dataset.filter(...)`) or fill them in."
+        )
+
+
 def to_prompt_answer(dataset: Dataset, template: str = PROMPT_TEMPLATE) -> Dataset:
-    """Map either layout to `prompt` (conversation) + `answer` (string), dropping other columns."""
+    """Map either layout to `prompt` (conversation) + `answer` (string), dropping other columns; a row without a
+    question or an answer is an error naming it."""
     columns = list(dataset.column_names)
     if "reward_model" in columns:
         if "prompt" not in columns:
             raise _missing(columns, "`prompt`")
+        _check_rows(dataset, "prompt")
+        _check_rows(dataset, "reward_model", "ground_truth")
 
         def from_dapo(row):
-            truth = (row["reward_model"] or {}).get("ground_truth")
-            if truth is None:
-                raise _missing(columns, "`reward_model.ground_truth`")
+            truth = row["reward_model"]["ground_truth"]
             prompt = row["prompt"]
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
             return {"prompt": messages, "answer": str(truth)}
@@ -59,6 +74,8 @@ def to_prompt_answer(dataset: Dataset, template: str = PROMPT_TEMPLATE) -> Datas
         raise _missing(columns, "`problem` (or `question`)")
     if "answer" not in columns:
         raise _missing(columns, "`answer`")
+    _check_rows(dataset, problem)
+    _check_rows(dataset, "answer")
 
     dataset = dataset.cast_column("answer", Value("string"))  # numeric answers compare as text
 

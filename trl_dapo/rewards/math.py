@@ -1,21 +1,34 @@
 """DAPO's math reward: +1 when the final `Answer: ...` line equals the ground truth, -1 otherwise.
 
 As the reference recipe: only the last 300 characters are searched, and the last `Answer:` match counts. Equality is
-math-verify's (symbolic: `1/2` = `\\frac{1}{2}` = `0.5`), with an exact match of normalised strings as the fallback
-when math-verify cannot parse one side. A completion that cannot be scored gets -1 and is counted, never raised.
+an exact match of normalised strings or math-verify's (symbolic: `1/2` = `\\frac{1}{2}` = `0.5`). A completion that
+cannot be scored gets -1 and is counted, never raised; a missing ground truth (None, empty) matches nothing.
+
+Model output is untrusted text, so math-verify's time is bounded, the same in any thread: an answer too costly to
+evaluate (`safe_expression.py`) is string-matched only; any other gets math-verify for at most `ANSWER_TIMEOUT`
+seconds (`equivalence.py`); one call of the reward spends at most `batch_time_limit(n)` seconds in math-verify, and
+the answers left past it are string-matched, with a warning. `math/undecided_ratio` counts the string-matched ones.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-from math_verify import parse, verify
+from .equivalence import EquivalenceWorker
+from .safe_expression import why_costly
+
+logger = logging.getLogger(__name__)
 
 ANSWER_PATTERN = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
 TAIL_CHARS = 300
 CORRECT, INCORRECT = 1.0, -1.0
+ANSWER_TIMEOUT = 1.0  # seconds of math-verify per completion
+BATCH_SECONDS, BATCH_SECONDS_PER_COMPLETION = 10.0, 0.1  # seconds of math-verify per call of the reward
+_WORKER = EquivalenceWorker()
 PROMPT_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
@@ -38,19 +51,16 @@ def normalize(answer: str) -> str:
     return re.sub(r"\s+", "", answer.split("=")[-1])
 
 
-def _as_latex(answer: str) -> str:
-    return answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
-
-
-def is_equivalent(answer: str, ground_truth: str) -> bool:
-    """math-verify equivalence, falling back to an exact match of normalised strings."""
-    try:
-        gold, guess = parse(_as_latex(ground_truth)), parse(_as_latex(answer))
-        if gold and guess and verify(gold, guess):
-            return True
-    except Exception:  # math-verify raises on pathological inputs; the strict match still decides
-        pass
-    return normalize(answer) == normalize(ground_truth)
+def is_equivalent(answer: str, ground_truth: str, timeout: float = ANSWER_TIMEOUT) -> tuple[bool, bool]:
+    """(equal, decided): an exact match of normalised strings, else math-verify's equivalence within `timeout`
+    seconds in any thread (`equivalence.py`); `decided` is False when math-verify did not decide (an answer too costly
+    to evaluate, `safe_expression.py`, or out of time), and only the string match counted."""
+    if normalize(answer) == normalize(ground_truth):
+        return True, True
+    if timeout <= 0 or why_costly(answer) is not None:
+        return False, False
+    verdict = _WORKER.equivalent(answer, ground_truth, timeout)
+    return bool(verdict), verdict is not None
 
 
 def _text(completion: Any) -> str:
@@ -60,12 +70,31 @@ def _text(completion: Any) -> str:
     return str(completion)
 
 
-def score_answer(completion: Any, ground_truth: str) -> tuple[float, bool]:
-    """(reward, parsed): +1/-1, and whether an `Answer:` line was found."""
+def is_missing(ground_truth: Any) -> bool:
+    """No ground truth (None, or nothing left once normalised): no answer can match it, `Answer: None` included."""
+    return ground_truth is None or normalize(str(ground_truth)) == ""
+
+
+class Score(NamedTuple):
+    reward: float
+    parsed: bool  # an `Answer:` line was found
+    decided: bool  # math-verify decided (or the strings matched); else only the string match counted
+
+
+def score_answer(completion: Any, ground_truth: str | None, timeout: float = ANSWER_TIMEOUT) -> Score:
+    """+1/-1 (always -1 against a missing ground truth), with math-verify given at most `timeout` seconds."""
     answer = extract_answer(_text(completion))
     if answer is None:
-        return INCORRECT, False
-    return (CORRECT if is_equivalent(answer, str(ground_truth)) else INCORRECT), True
+        return Score(INCORRECT, False, True)
+    if is_missing(ground_truth):
+        return Score(INCORRECT, True, True)
+    equal, decided = is_equivalent(answer, str(ground_truth), timeout)
+    return Score(CORRECT if equal else INCORRECT, True, decided)
+
+
+def batch_time_limit(count: int) -> float:
+    """Seconds math-verify may take over one call of the reward on `count` completions."""
+    return BATCH_SECONDS + BATCH_SECONDS_PER_COMPLETION * count
 
 
 def dapo_math_reward(
@@ -74,10 +103,25 @@ def dapo_math_reward(
     log_metric: Callable[[str, float], None] | None = None,
     **kwargs: Any,
 ) -> list[float]:
-    """TRL reward function: reads the `answer` column; logs accuracy and the share of completions with no `Answer:`."""
-    scored = [score_answer(completion, truth) for completion, truth in zip(completions, answer, strict=True)]
+    """TRL reward function: reads the `answer` column; logs accuracy, the share of completions with no `Answer:` and
+    the share whose equivalence math-verify did not decide. Each completion gets math-verify for at most
+    `ANSWER_TIMEOUT` seconds and the call for at most `batch_time_limit` seconds; past that, the string match."""
+    _WORKER.start()  # its start-up (seconds) is spent before the batch's time starts
+    deadline = time.monotonic() + batch_time_limit(len(completions))
+    scored, late = [], 0
+    for completion, truth in zip(completions, answer, strict=True):
+        timeout = min(ANSWER_TIMEOUT, deadline - time.monotonic())
+        late += timeout <= 0
+        scored.append(score_answer(completion, truth, timeout))
+    if late:
+        logger.warning(
+            "math reward: math-verify's %.0f s for these %d completions ran out; the last %d were string-matched.",
+            batch_time_limit(len(completions)), len(completions), late,
+        )  # fmt: skip
+    undecided = sum(not score.decided for score in scored)
     if log_metric is not None:
         count = max(len(scored), 1)
-        log_metric("math/accuracy", sum(reward == CORRECT for reward, _ in scored) / count)
-        log_metric("math/unparsable_ratio", sum(not parsed for _, parsed in scored) / count)
-    return [reward for reward, _ in scored]
+        log_metric("math/accuracy", sum(score.reward == CORRECT for score in scored) / count)
+        log_metric("math/unparsable_ratio", sum(not score.parsed for score in scored) / count)
+        log_metric("math/undecided_ratio", undecided / count)
+    return [score.reward for score in scored]

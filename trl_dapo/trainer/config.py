@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -213,6 +214,11 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             longer than the cap trains alone. `None`: one pass per micro-batch (its share of the step's tokens). With
             `padding_free=False` a cap is an error; where the passes fall back to padded it does not apply, and a
             warning says so once.
+        max_prompt_length (`int` or `None`, *optional*, defaults to `None`):
+            Most tokens in a prompt (chat template included): a longer prompt is an error naming it, its length and
+            the limit, before anything is generated from it (TRL 1.16 dropped its field of this name, which truncated:
+            a truncated problem is another problem with the same ground truth). `None`: the model's
+            `max_position_embeddings` less `max_completion_length`.
     """
 
     bf16: bool | None = field(
@@ -330,16 +336,59 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     padding_free_max_tokens: int | None = field(
         default=None, metadata={"help": "Most tokens per padding-free forward/backward pass; None = no cap."}
     )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={"help": "Most prompt tokens; a longer prompt is an error naming it. None: the model's positions "
+                  "less max_completion_length."},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        check_field_rules(self)  # types and ranges first: every later check, TRL's included, compares values
-        self._reject_unhonoured_fields()
-        self._validate_dapo_fields()
+        self._derived: dict[str, object] = {}  # fields left None and derived from others, with what they became
+        self._check_dapo_fields()
         if self.bf16 is None and not self.fp16:
             # TRL turns bf16 on by default, and TrainingArguments then refuses to start where bf16 cannot run (a
             # machine without a bf16 GPU, unless use_cpu=True): turn it on only where it can run.
             self.bf16 = self.use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available()
         super().__post_init__()
+        self._check_and_derive_after_trl()
+
+    def checked_copy(self) -> DAPOConfig:
+        """A copy the trainer owns, checked again: a notebook may change a field after construction (`c.beta = 0.5`),
+        which no check would see. A field left None and derived from others (`overlong_buffer_len`, `epsilon_high`,
+        `max_surplus_age`) is derived again from their current values unless it was set since; the caller's config
+        is left as it is."""
+        config = copy.copy(self)
+        config._derived = {}
+        for name, derived in getattr(self, "_derived", {}).items():  # none in a config pickled by an older version
+            if getattr(self, name) == derived:
+                setattr(config, name, None)
+        config._check_dapo_fields()
+        rows = config.per_device_train_batch_size * config.world_size * config.steps_per_generation
+        if config.generation_batch_size != rows:
+            raise invalid_value(
+                "generation_batch_size",
+                config.generation_batch_size,
+                f"TRL derived it when the config was built, and per_device_train_batch_size "
+                f"({config.per_device_train_batch_size}) x processes ({config.world_size}) x steps_per_generation "
+                f"({config.steps_per_generation}) = {rows} now: a batch field changed since. Build a new DAPOConfig "
+                "with the batch sizes you want.",
+            )
+        config._check_whole_groups()
+        config._check_and_derive_after_trl()
+        return config
+
+    def _derive(self, name: str, value: object) -> None:
+        setattr(self, name, value)
+        self._derived[name] = value
+
+    def _check_dapo_fields(self) -> None:
+        """What is checked before TRL's and transformers' own `__post_init__` compares any value."""
+        check_field_rules(self)  # types and ranges first: every later check, TRL's included, compares values
+        self._reject_unhonoured_fields()
+        self._validate_dapo_fields()
+
+    def _check_and_derive_after_trl(self) -> None:
+        """What needs TRL's derived batch fields (`steps_per_generation`)."""
         if self.steps_per_generation % self.gradient_accumulation_steps != 0:
             raise invalid_value(
                 "steps_per_generation",
@@ -348,9 +397,10 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 "optimizer step draws its micro-batches from one generation batch and its token count is known.",
             )
         if self.max_surplus_age is None:
-            self.max_surplus_age = self.steps_per_generation // self.gradient_accumulation_steps * self.num_iterations
+            age = self.steps_per_generation // self.gradient_accumulation_steps * self.num_iterations
+            self._derive("max_surplus_age", age)
         if self.overlong_buffer_len is None:
-            self.overlong_buffer_len = self.max_completion_length // 5
+            self._derive("overlong_buffer_len", self.max_completion_length // 5)
         if self.overlong_buffer_len >= self.max_completion_length:
             raise invalid_value(
                 "overlong_buffer_len",
@@ -434,7 +484,7 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     def _validate_dapo_fields(self) -> None:
         """Reject settings that would silently stop this from being DAPO, naming the field and the fix."""
         if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
+            self._derive("epsilon_high", self.epsilon)
         if self.epsilon_high < self.epsilon:
             raise invalid_value(
                 "epsilon_high",

@@ -150,6 +150,7 @@ FIELD_RULES: dict[str, Rule] = {
     "rollout_correction_min": _number(0, 1, optional=True, hint="IcePop: 0.5"),
     "padding_free": _OPTIONAL_SWITCH,
     "padding_free_max_tokens": _count(1, optional=True, hint="a number of tokens per pass"),
+    "max_prompt_length": _count(1, optional=True, hint="a number of tokens, e.g. 2048"),
 }
 
 
@@ -177,8 +178,11 @@ def _as_kind(text: str, kind: type) -> object | None:
 
 def wrong_type(name: str, value: object, rule: Rule) -> TypeError:
     meant = _as_kind(value, rule.kind) if isinstance(value, str) else None
+    if rule.kind is int and isinstance(value, float) and value.is_integer():
+        meant = int(value)  # 2.0 from arithmetic or a YAML file: the count it was meant to be
     fix = f": pass {name}={meant!r}" if meant is not None else ""
-    source = " (a widget, an environment variable or a file gives strings: convert them)" if meant is not None else ""
+    from_text = meant is not None and isinstance(value, str)
+    source = " (a widget, an environment variable or a file gives strings: convert them)" if from_text else ""
     return TypeError(
         f"DAPOConfig.{name}={value!r} is a {type(value).__name__}, not {rule.expected_type()}{fix}{source}."
     )

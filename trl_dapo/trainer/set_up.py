@@ -11,7 +11,9 @@ the model), it checks again.
 from __future__ import annotations
 
 import itertools
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from datasets import IterableDataset
@@ -19,10 +21,12 @@ from torch import nn
 from trl.trainer.utils import get_callable_name, get_config_model_id
 
 from ..rewards.overlong import OVERLONG_REWARD_NAME
+from ..text import plural
 from .collect import CandidateRounds, Collector, OneRound
 from .config import DAPOConfig
 from .engine_choice import check_rollout_precision, unusable_engine, why_settings_rule_out_engine
 from .partial import PartialCandidateRounds, PartialRounds
+from .prompts import check_dataset_prompts
 from .streamed import StreamedGroups
 
 
@@ -34,7 +38,7 @@ def reward_function_names(reward_funcs: Any, args: DAPOConfig) -> list[str]:
 
 
 def filter_column(metric: str | None, names: Sequence[str]) -> int | None:
-    """The reward column dynamic sampling filters on: `metric` names one of `names` (None: the first, task
+    """The reward column dynamic sampling filters on: `metric` names exactly one of `names` (None: the first, task
     accuracy), or is `"reward"` for the weighted total (None is returned)."""
     if metric is None:
         return 0
@@ -44,6 +48,13 @@ def filter_column(metric: str | None, names: Sequence[str]) -> int | None:
         raise ValueError(
             f"DAPOConfig.dynamic_sampling_metric={metric!r} names no reward function; use one of {list(names)} or "
             "'reward' for the weighted total."
+        )
+    if list(names).count(metric) > 1:
+        raise ValueError(
+            f"DAPOConfig.dynamic_sampling_metric={metric!r} names {list(names).count(metric)} reward functions "
+            f"({list(names)}): which one to filter on is ambiguous. Give the one to filter on its own name (a `def` "
+            "function, or `functools.wraps`/`__name__` on a lambda or partial) and name it here, or leave the field "
+            "None to filter on the first."
         )
     return list(names).index(metric)
 
@@ -60,7 +71,7 @@ def collection_strategy(args: DAPOConfig) -> type[Collector]:
 def check_datasets(
     args: DAPOConfig, train_dataset: Any, eval_dataset: Any, processes: int, prompts_from_environment: bool
 ) -> None:
-    """Prompts must be there, enough for one generation batch (the sampler yields whole generation batches only, so
+    """Prompts must be there (each row's too), enough for one generation batch (the sampler yields whole generation batches only, so
     a smaller set would train 0 steps), and an evaluation set must not be empty (it would evaluate on 0 samples)."""
     named = {"train_dataset": train_dataset} if train_dataset is not None else {}
     evaluated = eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]
@@ -82,6 +93,8 @@ def check_datasets(
                     f"{name} has no 'prompt' column (columns: {columns}); DAPOTrainer, like GRPOTrainer, reads "
                     "each prompt from it: rename the column holding the prompts to 'prompt'."
                 )
+            if columns is not None and hasattr(dataset, "__len__"):  # a stream's prompts are checked per batch
+                check_dataset_prompts(name, dataset)
     if train_dataset is None:
         return
     needed = args.generation_batch_size // args.num_generations
@@ -91,7 +104,8 @@ def check_datasets(
         size = sum(1 for _ in itertools.islice(train_dataset, needed))
     if size < needed:
         raise ValueError(
-            f"train_dataset has {size} prompts, fewer than one generation batch takes: {needed} prompts = "
+            f"train_dataset has {plural(size, 'prompt')}, fewer than one generation batch takes: "
+            f"{plural(needed, 'prompt')} = "
             f"generation_batch_size ({args.generation_batch_size} completions = per_device_train_batch_size "
             f"{args.per_device_train_batch_size} x {processes} processes x steps_per_generation "
             f"{args.steps_per_generation}) / num_generations ({args.num_generations}). The sampler yields whole "
@@ -129,6 +143,26 @@ def check_set_up(
     check_rollout_precision(args, rollout_func, calls_tools)
     collection_strategy(args).check(args, _as_list(reward_funcs), names, rollout_func, calls_tools)
     check_datasets(args, train_dataset, eval_dataset, args.world_size, environment_factory is not None)
+    check_output_dir(args)
+
+
+def check_output_dir(args: DAPOConfig) -> None:
+    """Checkpoints can be written into `output_dir` (a write tried in it, or in the nearest folder above it that
+    exists): a read-only one failed only at the first save, after the steps before it had run."""
+    if args.save_strategy == "no":
+        return
+    folder = Path(args.output_dir).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"DAPOConfig.output_dir={args.output_dir!r} cannot be written: creating a file in {str(folder)!r} failed "
+            f"({error.strerror}), so the first checkpoint would fail. Choose a writable folder, or "
+            "save_strategy='no'."
+        ) from error
 
 
 def _as_list(reward_funcs: Any) -> list:

@@ -7,6 +7,8 @@ token-mean, dynamic sampling and padding-free training. It keeps TRL's hooks and
 - `_generate_single_turn`, `_calculate_rewards`: inside a round, generate with the paged rollout engine where it
   serves (stream mode: hand back what the stream generated and scored) and record the engine's logprobs and the raw
   rewards in the round's context, which TRL's output drops.
+- `_tokenize_prompts`: TRL's, with each prompt checked first (missing, empty, longer than `max_prompt_length`;
+  `prompts.py`), in every generation path, evaluation's included.
 - `_get_per_token_logps_and_entropies`, `_compute_loss`: every logprob forward (packed where it applies) and each
   micro-batch's passes with the DAPO loss (`passes.py`, `loss.py`, `mismatch.py`); each training loss is handed to
   the callback that skips a step whose loss or gradient is not finite (`finite_steps.py`).
@@ -24,7 +26,6 @@ token-mean, dynamic sampling and padding-free training. It keeps TRL's hooks and
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from typing import Any, ClassVar
@@ -36,7 +37,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, Tr
 from trl import GRPOTrainer
 
 from ..gguf import gguf_model_for_trainer
-from ..integrity import RolloutIntegrityError, check_rewards, checked_reward_function
+from ..integrity import RolloutIntegrityError, check_rewards, check_weighted_total, checked_reward_function
 from ..models import ensure_float32_rotary
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
 from ..rollout_batch import SAMPLING_STEP, RolloutBatch, num_rows
@@ -56,6 +57,7 @@ from .epoch_order import EpochOrder, set_resumed_epoch
 from .finite_steps import FiniteSteps
 from .micro_batches import MicroBatch
 from .passes import TrainingPasses, set_up_padding_free
+from .prompts import check_batch_prompts, check_prompt_ids, prompt_token_limit
 from .round import TRLRounds, round_scores
 from .scoring import FilterMetric
 from .set_up import check_set_up, filter_column
@@ -79,6 +81,7 @@ class DAPOTrainer(GRPOTrainer):
             args = DAPOConfig(output_dir=f"{str(name).split('/')[-1]}-DAPO")
         if not isinstance(args, DAPOConfig):
             raise TypeError(f"DAPOTrainer needs args=DAPOConfig(...), got {type(args).__name__}.")
+        args = args.checked_copy()  # checked again (a field may have changed since), never the caller's object
         # TRL replaces hub ids by loaded models inside these lists: hand it copies, never the caller's own.
         if isinstance(reward_funcs, list):
             reward_funcs = list(reward_funcs)
@@ -90,6 +93,8 @@ class DAPOTrainer(GRPOTrainer):
         model, args = self._load_gguf(model, args, kwargs)
         super().__init__(model, reward_funcs, args, **kwargs)
         ensure_float32_rotary(self.model, built_by_trainer=built_by_trainer)
+        positions = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
+        self.prompt_limit = prompt_token_limit(args.max_prompt_length, positions, args.max_completion_length)
         self.reward_funcs = [
             function if isinstance(function, nn.Module) else checked_reward_function(function, name)
             for function, name in zip(self.reward_funcs, self.reward_func_names, strict=True)
@@ -148,18 +153,24 @@ class DAPOTrainer(GRPOTrainer):
     def _load_gguf(model, args: DAPOConfig, kwargs: dict[str, Any]) -> tuple[Any, DAPOConfig]:
         """A GGUF model (a `.gguf` path, `model_init_kwargs["gguf_file"]`, or a model transformers loaded from one),
         which GRPOTrainer cannot load or fine-tune, loaded dense here with its tokenizer (`gguf.py`). Loaded from a
-        name, TRL is handed a copy of `args` whose `model_init_kwargs`, used here, are None: else it warns that they
-        were ignored."""
+        name, the `model_init_kwargs` used here are cleared in the trainer's own copy of `args`: else TRL warns that
+        they were ignored."""
         loaded = gguf_model_for_trainer(model, args, kwargs.get("processing_class"), kwargs.get("quantization_config"))
         if loaded is None:
             return model, args
         named, (model, kwargs["processing_class"]) = isinstance(model, str), loaded
-        if named and args.model_init_kwargs is not None:
-            args = copy.copy(args)
+        if named:
             args.model_init_kwargs = None
         return model, args
 
     # ----------------------------------------------------------------------------------------------- generation
+
+    def _tokenize_prompts(self, prompts: list):
+        """TRL's, with each prompt checked before anything is generated from it (`prompts.py`)."""
+        check_batch_prompts(prompts)
+        tokenized = super()._tokenize_prompts(prompts)
+        check_prompt_ids(prompts, tokenized[0], *self.prompt_limit)
+        return tokenized
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         context = self.rounds.current
@@ -196,6 +207,7 @@ class DAPOTrainer(GRPOTrainer):
         check_rewards(
             rewards_per_func[:, task], len(prompts) * self.accelerator.num_processes, self.reward_func_names[task]
         )
+        check_weighted_total(rewards_per_func, self.reward_weights)
         if context is not None:  # evaluation batches stay TRL's own
             ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}
             context.record_scores(round_scores(rewards_per_func, completion_ids_list, ends, self.accelerator))
