@@ -143,6 +143,8 @@ def launch_runs(config: RealModelConfig, output: Path, deadline: float | None) -
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
     env.setdefault("OMP_NUM_THREADS", str(config.torch_threads))
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(config.torch_threads))  # six engines compile at once
+    # HF generate's growing KV cache fragmented TRL's run until its share ran out (3 of 9.4 GiB reserved, unused)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     (output / "logs").mkdir(parents=True, exist_ok=True)
     processes = []
     for kind, seed in jobs:
