@@ -310,7 +310,8 @@ def test_check_real_model_tiny_engine_in_float32_matches_hf_float32(tmp_path):
     assert results["engine_within_hf_bf16"] == {"mean": True, "p99": True}
     paired = results["engine_minus_hf_bf16"]  # the engine's gap is about 0, so the difference is minus HF's
     assert paired["mean"] == pytest.approx(gaps["engine"]["mean"] - gaps["hf_bf16"]["mean"], abs=1e-6)
-    assert paired["interval_95"][0] <= paired["mean"] <= paired["interval_95"][1] < 0
+    assert paired["mean_interval_95"][0] <= paired["mean"] <= paired["mean_interval_95"][1] < 0
+    assert paired["p99"] == pytest.approx(gaps["engine"]["p99"] - gaps["hf_bf16"]["p99"], abs=1e-6)
     engine, hf = results["greedy"]["engine"], results["greedy"]["hf_bf16"]
     assert (
         engine["full_match_share"] == 1
@@ -335,7 +336,9 @@ def test_check_real_model_agreement_counts_the_prefix_each_completion_shares():
     ours, theirs = torch.tensor([[0.2, 0.1], [0.3, 9.0]]), torch.tensor([[0.1, 0.1], [0.1, 0.0]])
     paired = paired_difference(ours, theirs, torch.tensor([[True, True], [True, False]]))
     assert paired["mean"] == pytest.approx(0.1) and paired["ours_larger_share"] == pytest.approx(2 / 3)
-    assert 0.05 - 1e-6 <= paired["interval_95"][0] < paired["interval_95"][1] <= 0.2 + 1e-6  # float32 inputs
+    assert 0.05 - 1e-6 <= paired["mean_interval_95"][0] < paired["mean_interval_95"][1] <= 0.2 + 1e-6  # float32 inputs
+    # p99 of ours {0.2, 0.1, 0.3} by linear interpolation 0.298, of theirs {0.1, 0.1, 0.1} 0.1
+    assert paired["p99"] == pytest.approx(0.198, abs=1e-6)
 
     # prefixes 2 (third token differs), 2 (equal in full), 0, 1 (ours stops early)
     ours, reference = [[1, 2, 3], [1, 2], [5], [7]], [[1, 2, 4], [1, 2], [6, 7], [7, 8]]
