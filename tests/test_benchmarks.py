@@ -297,20 +297,23 @@ def test_check_logprob_gap_tiny_scores_every_sampled_token_and_agrees_in_float32
 def test_check_real_model_tiny_engine_in_float32_matches_hf_float32(tmp_path):
     """With the engine in float32 its rollout logprobs are HF float32's up to summation order, its greedy completions
     are HF float32's, while HF bf16 differs: the samples, prompts and tokens line up across the sides."""
-    stdout, results = run_tiny("check_real_model", tmp_path, "--engine-dtype", "float32", "--speed-rows", "16")
+    stdout, results = run_tiny(
+        "check_real_model", tmp_path, "--engine-dtype", "float32", "--prompts", "4", "--speed-rows", "8"
+    )
     assert "errors" not in results, results["errors"]
     gaps = results["logprob_gaps"]
     assert set(gaps) == {"engine", "hf_bf16", "hf_bf16_fp32_head", "hf_bf16_decode", "engine_fp32_logits"}
-    # 8 prompts x up to 12 tokens, every sampled token once
+    # 4 prompts x up to 12 tokens, every sampled token once
     assert (
-        all(0 < r["tokens"] <= 8 * 12 for r in gaps.values()) and gaps["engine"]["tokens"] == gaps["hf_bf16"]["tokens"]
+        all(0 < r["tokens"] <= 4 * 12 for r in gaps.values()) and gaps["engine"]["tokens"] == gaps["hf_bf16"]["tokens"]
     )
     assert gaps["engine"]["max"] < 1e-4 and gaps["engine_fp32_logits"]["max"] < 1e-4
     assert gaps["hf_bf16"]["mean"] > 1e-4 and gaps["hf_bf16_decode"]["mean"] > 1e-4  # bf16 rounding
     assert results["engine_within_hf_bf16"] == {"mean": True, "p99": True}
     paired = results["engine_minus_hf_bf16"]  # the engine's gap is about 0, so the difference is minus HF's
     assert paired["mean"] == pytest.approx(gaps["engine"]["mean"] - gaps["hf_bf16"]["mean"], abs=1e-6)
-    assert paired["interval_95"][0] <= paired["mean"] <= paired["interval_95"][1] < 0
+    assert paired["mean_interval_95"][0] <= paired["mean"] <= paired["mean_interval_95"][1] < 0
+    assert paired["p99"] == pytest.approx(gaps["engine"]["p99"] - gaps["hf_bf16"]["p99"], abs=1e-6)
     engine, hf = results["greedy"]["engine"], results["greedy"]["hf_bf16"]
     assert (
         engine["full_match_share"] == 1
@@ -320,11 +323,11 @@ def test_check_real_model_tiny_engine_in_float32_matches_hf_float32(tmp_path):
         hf["mean_length"], hf["reference_mean_length"]
     )
     speed = {(r["rows"], r["engine"]): r for r in results["speed"]}
-    assert set(speed) == {(16, "paged"), (16, "hf")}
+    assert set(speed) == {(8, "paged"), (8, "hf")}
     for (rows, _), r in speed.items():
         assert "error" not in r and r["tokens_per_s"] > 0 and rows <= r["tokens"] <= rows * 8
         assert r["mean_length"] == r["tokens"] / rows and r["max_length"] <= 8
-    assert "| engine | bf16_logits |" in stdout and "| 16x8 | hf |" in stdout
+    assert "| engine | bf16_logits |" in stdout and "| 8x8 | hf |" in stdout
 
 
 def test_check_real_model_agreement_counts_the_prefix_each_completion_shares():
@@ -335,7 +338,9 @@ def test_check_real_model_agreement_counts_the_prefix_each_completion_shares():
     ours, theirs = torch.tensor([[0.2, 0.1], [0.3, 9.0]]), torch.tensor([[0.1, 0.1], [0.1, 0.0]])
     paired = paired_difference(ours, theirs, torch.tensor([[True, True], [True, False]]))
     assert paired["mean"] == pytest.approx(0.1) and paired["ours_larger_share"] == pytest.approx(2 / 3)
-    assert 0.05 - 1e-6 <= paired["interval_95"][0] < paired["interval_95"][1] <= 0.2 + 1e-6  # float32 inputs
+    assert 0.05 - 1e-6 <= paired["mean_interval_95"][0] < paired["mean_interval_95"][1] <= 0.2 + 1e-6  # float32 inputs
+    # p99 of ours {0.2, 0.1, 0.3} by linear interpolation 0.298, of theirs {0.1, 0.1, 0.1} 0.1
+    assert paired["p99"] == pytest.approx(0.198, abs=1e-6)
 
     # prefixes 2 (third token differs), 2 (equal in full), 0, 1 (ours stops early)
     ours, reference = [[1, 2, 3], [1, 2], [5], [7]], [[1, 2, 4], [1, 2], [6, 7], [7, 8]]
