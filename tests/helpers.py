@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from trl_dapo import DAPOConfig
 from trl_dapo.rollout.generation import RolloutStats
@@ -194,3 +195,15 @@ class ScriptedStream:
             decode_steps=self.steps,
             resumed_tokens=self.resumed_tokens,
         )
+
+
+class Snapshots(TrainerCallback):
+    """Parameters and AdamW moments after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[dict, dict]] = []
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        parameters = {n: p.detach().clone() for n, p in model.named_parameters()}
+        moments = {id(p): s["exp_avg"].clone() for p, s in optimizer.state.items() if "exp_avg" in s}
+        self.steps.append((parameters, moments))

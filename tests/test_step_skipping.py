@@ -7,9 +7,9 @@ import logging
 import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, TrainerState
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerState
 
-from helpers import arithmetic_prompts, dapo_args, length_reward
+from helpers import Snapshots, arithmetic_prompts, dapo_args, length_reward
 from trl_dapo import DAPOTrainer
 from trl_dapo.testing import ScriptedRollout
 from trl_dapo.trainer.finite_steps import FiniteSteps
@@ -25,6 +25,25 @@ class NeverEnds(ScriptedRollout):
         return ids, logps
 
 
+def adamw_trainer(tiny_model, rollout, output_dir, **overrides) -> DAPOTrainer:
+    """8 rows a step, AdamW with weight decay (which moves weights even where the gradient is 0), scripted rollouts."""
+    args = dapo_args(
+        output_dir,
+        per_device_train_batch_size=8,
+        optim="adamw_torch",
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        **overrides,
+    )
+    return DAPOTrainer(
+        model=tiny_model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=arithmetic_prompts(40),
+        rollout_func=rollout(AutoTokenizer.from_pretrained(tiny_model)),
+    )
+
+
 def logged(trainer, name):
     return [h[name] for h in trainer.state.log_history if name in h]
 
@@ -32,21 +51,13 @@ def logged(trainer, name):
 def test_a_step_without_a_loss_token_leaves_the_weights_alone(tiny_model, tmp_path, caplog):
     """mask_truncated_completions=True and every completion truncated: the step's loss and gradient are 0, but
     AdamW's weight decay would still move every weight. The step is skipped as a step without rows is."""
-    trainer = DAPOTrainer(
-        model=tiny_model,
-        reward_funcs=length_reward,
-        args=dapo_args(
-            tmp_path,
-            per_device_train_batch_size=8,
-            max_steps=1,
-            optim="adamw_torch",
-            learning_rate=1e-3,
-            weight_decay=0.1,
-            mask_truncated_completions=True,
-            dynamic_sampling=False,  # which drops such groups as uninformative
-        ),
-        train_dataset=arithmetic_prompts(40),
-        rollout_func=NeverEnds(AutoTokenizer.from_pretrained(tiny_model)),
+    trainer = adamw_trainer(
+        tiny_model,
+        NeverEnds,
+        tmp_path,
+        max_steps=1,
+        mask_truncated_completions=True,
+        dynamic_sampling=False,  # which drops such groups as uninformative
     )
     with caplog.at_level(logging.WARNING, logger="trl_dapo"):
         trainer.train()
@@ -58,38 +69,12 @@ def test_a_step_without_a_loss_token_leaves_the_weights_alone(tiny_model, tmp_pa
     assert "1 of the 1 optimizer steps of this generation batch have rows but no loss token" in caplog.text
 
 
-class Snapshots(TrainerCallback):
-    """Parameters and AdamW's first moments after every optimizer step."""
-
-    def __init__(self) -> None:
-        self.steps: list[tuple[dict, dict]] = []
-
-    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        parameters = {n: p.detach().clone() for n, p in model.named_parameters()}
-        moments = {id(p): s["exp_avg"].clone() for p, s in optimizer.state.items() if "exp_avg" in s}
-        self.steps.append((parameters, moments))
-
-
 def test_a_step_with_a_non_finite_gradient_is_skipped_and_never_saved(tiny_model, tmp_path, caplog):
     """A NaN in one parameter's gradient at step 2 (a hook on it): before the fix the optimizer stepped, every weight
     of that matrix became NaN and checkpoint-2 saved them. Now step 2 leaves weights and moments as step 1 left them,
     step 3 trains, the count is logged and checkpoint-2 holds step 1's (finite) weights."""
-    trainer = DAPOTrainer(
-        model=tiny_model,
-        reward_funcs=length_reward,
-        args=dapo_args(
-            tmp_path,
-            per_device_train_batch_size=8,
-            max_steps=3,
-            optim="adamw_torch",
-            learning_rate=1e-3,
-            weight_decay=0.1,
-            dynamic_sampling=False,
-            save_strategy="steps",
-            save_steps=1,
-        ),
-        train_dataset=arithmetic_prompts(40),
-        rollout_func=ScriptedRollout(AutoTokenizer.from_pretrained(tiny_model)),
+    trainer = adamw_trainer(
+        tiny_model, ScriptedRollout, tmp_path, max_steps=3, dynamic_sampling=False, save_strategy="steps", save_steps=1
     )
     name, poisoned = next(iter(trainer.model.named_parameters()))
     poisoned.register_hook(lambda grad: grad * float("nan") if trainer.state.global_step == 1 else grad)

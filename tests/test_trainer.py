@@ -9,9 +9,10 @@ import pytest
 import torch
 from datasets import Dataset, IterableDataset
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import (
+    Snapshots,
     arithmetic_prompts,
     dapo_args,
     first_token_parity,
@@ -132,18 +133,6 @@ def test_limit_raises_a_clear_error(tiny_model, tmp_path):
 
 def constant_reward(completion_ids, **kwargs) -> list[float]:
     return [0.0] * len(completion_ids)
-
-
-class Snapshots(TrainerCallback):
-    """Parameters and AdamW moments after every optimizer step."""
-
-    def __init__(self) -> None:
-        self.steps: list[tuple[dict, dict]] = []
-
-    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        parameters = {n: p.detach().clone() for n, p in model.named_parameters()}
-        moments = {id(p): s["exp_avg"].clone() for p, s in optimizer.state.items() if "exp_avg" in s}
-        self.steps.append((parameters, moments))
 
 
 @pytest.mark.parametrize("num_iterations", [1, 2])
