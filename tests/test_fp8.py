@@ -5,6 +5,7 @@ set-up errors. The CUDA kernels (the Triton decode kernel over an FP8 cache, `to
 `tests/test_fp8_cuda.py`'s."""
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -190,6 +191,25 @@ def test_the_engine_decodes_over_an_fp8_cache(model_and_tokenizer):
     plain, fp8 = outputs["bf16"].logprobs, outputs["fp8"].logprobs
     assert torch.equal(plain[:, 0], fp8[:, 0])
     assert 0 < (plain - fp8).abs().max() < 0.05
+
+
+@pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("clang++")), reason="the CPU compiler needs a C++ compiler"
+)
+def test_the_compiled_prefill_writes_the_fp8_cache_as_the_eager_one(model_and_tokenizer):
+    """The compiled layer quantises and writes the cache (byte views of the e4m3 tensors) as the eager one does:
+    the same tokens and logprobs (CUDA compiles the same code)."""
+    model, tokenizer = model_and_tokenizer
+    batch = [tokenizer(f"What is {i} + 3?", add_special_tokens=False)["input_ids"] for i in range(4)]
+    outputs = [
+        PagedRolloutEngine(
+            model, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id, dtype=torch.float32, cuda_graph=False,
+            page_size=4, sync_every=3, compile_decode=compiled, kv_cache_dtype="fp8",
+        ).generate(batch, TokenSampling(max_new_tokens=6, greedy=True))
+        for compiled in (False, True)
+    ]  # fmt: skip
+    assert outputs[0].completions == outputs[1].completions
+    assert (outputs[0].logprobs - outputs[1].logprobs).abs().max() < 1e-5
 
 
 def test_fp8_settings_are_checked_before_any_model_loads(tmp_path):
