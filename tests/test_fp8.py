@@ -28,6 +28,7 @@ from trl_dapo.rollout.fp8 import (
     LayerCache,
     cache_bytes_per_token,
     dequantize_rows,
+    fp8_linear,
     quantize_linears,
     quantize_rows,
 )
@@ -334,3 +335,22 @@ def test_the_triton_kernel_reads_and_writes_an_fp8_cache_in_the_interpreter():
         pytest.skip(f"Triton's interpreter cannot run a loop with a loaded bound here: {probe.stderr.strip()[-300:]}")
     result = run_in_triton_interpreter(FP8_INTERPRETER_SCRIPT)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_fp8_linear_through_scaled_mm_is_the_product_of_its_dequantised_operands():
+    """`torch._scaled_mm` runs on the CPU too (the engine refuses FP8 weights there: no FP8 tensor cores, nothing to
+    gain): the operands' layout and scales as `fp8_linear` passes them give the product of the dequantised operands,
+    rounded to bf16, with the bias added in bf16 (two roundings, each within 2^-9 of its result; bounded here with
+    twice that) and leading dimensions kept."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 64, generator=generator).bfloat16()
+    weight = (torch.randn(48, 64, generator=generator) * 0.05).bfloat16()
+    bias = torch.randn(48, generator=generator).bfloat16()
+    values, scale = quantize_rows(weight)
+    out = fp8_linear(x, values, scale, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 5, 48)
+    x_values, x_scale = quantize_rows(x)
+    product = dequantize_rows(x_values, x_scale).double() @ dequantize_rows(values, scale).double().T
+    expected = product + bias.double()
+    assert ((out.double() - expected).abs() <= 2**-8 * (product.abs() + expected.abs()) + 1e-4).all()
+    assert (out.double() - expected).abs().max() > 0  # rounded, not computed in float64
