@@ -9,13 +9,19 @@ to NEW tokens at temperature 1. `-fixed` pins every length to NEW (`min_new_toke
 of each of `--models`; otherwise nothing is pinned and the model's 2,048-token-vocabulary variant runs, so lengths
 are geometric with mean about 2,000, capped at NEW. `-lora` runs `--lora-model` (Qwen2.5-7B layers) wrapped in a
 LoRA r=16 all-linear adapter, which the paged engine merges into its snapshot. `=ENGINE,...` picks the engines (hf,
-paged); by default a named shape runs those that finish in reasonable time and memory (`DEFAULT_ENGINES`).
+paged, paged_fp8kv, paged_fp8); by default a named shape runs those that finish in reasonable time and memory
+(`DEFAULT_ENGINES`), never the FP8 ones. `paged_fp8kv` is the paged engine with an FP8 KV cache
+(`rollout_kv_cache_dtype="fp8"`), `paged_fp8` with FP8 weights too (`rollout_weights_dtype="fp8"`; GPUs of compute
+capability 8.9 or more), each built once per model like `paged`:
+
+    python3 -m benchmarks.bench_rollout --models qwen2.5-7b --shapes 128x4096=paged,paged_fp8kv,paged_fp8 \
+        --engines paged paged_fp8kv paged_fp8 --repeats 3
 
 Per (model, shape, engine): useful tokens/s = sum of completion lengths / device-synchronised wall time of one
 generate call, after warm-up calls (engine construction, compile, capture: reported on their own); the share of
 decode work spent on finished rows; peak memory over the call; and bandwidth use = floor / measured time, the floor
 being the time to read, at the measured copy bandwidth, the weights once per decode step and each row's live KV
-cache at each of its steps. The paged engine is built once per model and serves each of its shapes, as it serves
+cache at each of its steps (in bf16 bytes: the FP8 engines read about half, so their use reads high). The paged engine is built once per model and serves each of its shapes, as it serves
 every round of a training run.
 Prints a table last and writes `benchmarks/results/bench_rollout_<device>.json` after every measurement.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import math
 import re
@@ -45,21 +52,22 @@ from benchmarks.workload import (
 )
 from trl_dapo.rollout import PagedRolloutEngine, TokenSampling
 
-ENGINES = ("paged", "hf")  # in the default run order (--engines)
+ENGINES = ("paged", "paged_fp8kv", "paged_fp8", "hf")  # in the default run order (--engines)
+PLAIN_ENGINES = ("paged", "hf")  # what a shape runs unless it names its engines
 # HF generate is far too slow for the long shapes.
 DEFAULT_ENGINES = {
-    "128x256-fixed": ENGINES,
-    "128x1024": ENGINES,
+    "128x256-fixed": PLAIN_ENGINES,
+    "128x1024": PLAIN_ENGINES,
     "128x4096": ("paged",),
     "128x8192": ("paged",),
     "1024x2048": ("paged",),
     "1024x8192": ("paged",),
     "8192x8192": ("paged",),
     "512x8192p2048": ("paged",),
-    "64x512-fixed-lora": ENGINES,
+    "64x512-fixed-lora": PLAIN_ENGINES,
 }
 TINY_SHAPES = ["32x16p8-fixed", "16x96p8", "16x8p8-fixed-lora"]
-SHAPE = re.compile(r"(\d+)x(\d+)(?:p(\d+))?(-fixed)?(-lora)?(?:=([a-z,]+))?")
+SHAPE = re.compile(r"(\d+)x(\d+)(?:p(\d+))?(-fixed)?(-lora)?(?:=([a-z0-9_,]+))?")
 HF_WARMUP_TOKENS = 16  # HF generate has nothing to compile or capture: a short call warms up the device
 PAGED_WARMUP_TOKENS = 40  # one synchronisation and a few steps
 
@@ -84,7 +92,7 @@ def parse_shape(text: str) -> Shape:
         )
     rows, new_tokens, prompt_tokens, fixed, lora, engines = match.groups()
     name = text.split("=")[0]
-    chosen = tuple(engines.split(",")) if engines else DEFAULT_ENGINES.get(name, ENGINES)
+    chosen = tuple(engines.split(",")) if engines else DEFAULT_ENGINES.get(name, PLAIN_ENGINES)
     if set(chosen) - set(ENGINES):
         raise argparse.ArgumentTypeError(f"shape {text!r}: engines are {', '.join(ENGINES)}")
     prompt = int(prompt_tokens) if prompt_tokens else 32 if fixed else 256
@@ -112,10 +120,11 @@ def hf_generate(model, dtype, cuda: bool, args):
     return generate
 
 
-def paged_generate(model, dtype, cuda: bool, args):
+def paged_generate(model, dtype, cuda: bool, args, kv_cache_dtype: str = "bf16", weights_dtype: str = "bf16"):
     engine = PagedRolloutEngine(
         model, eos_token_ids=[EOS_TOKEN_ID], pad_token_id=PAD_TOKEN_ID, dtype=dtype, cuda_graph=cuda,
-        memory_fraction=args.memory_fraction, max_rows=args.max_rows,
+        memory_fraction=args.memory_fraction, max_rows=args.max_rows, kv_cache_dtype=kv_cache_dtype,
+        weights_dtype=weights_dtype,
     )  # fmt: skip
     engine.sync_weights(model)
 
@@ -126,7 +135,12 @@ def paged_generate(model, dtype, cuda: bool, args):
     return generate
 
 
-BUILDERS = {"hf": hf_generate, "paged": paged_generate}
+BUILDERS = {
+    "hf": hf_generate,
+    "paged": paged_generate,
+    "paged_fp8kv": functools.partial(paged_generate, kv_cache_dtype="fp8"),
+    "paged_fp8": functools.partial(paged_generate, kv_cache_dtype="fp8", weights_dtype="fp8"),
+}
 
 
 # ----------------------------------------------------------------------------------------------- measurement
@@ -223,7 +237,7 @@ def run_engine(engine: str, model, shapes: list[Shape], setup: dict, args, recor
             else:
                 generate, entry["build_s"] = reusable, 0.0
             entry.update(measure(engine, generate, prompt_ids, sampling, setup, args))
-            reusable = generate if engine == "paged" else None
+            reusable = generate if engine.startswith("paged") else None
         except torch.OutOfMemoryError:
             entry["error"], reusable = "out of memory", None
         except Exception as error:  # recorded and reported; the other measurements still run

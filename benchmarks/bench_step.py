@@ -5,6 +5,7 @@ with the old policy recomputed; training MFU and decode bandwidth use against th
     python3 -m benchmarks.bench_step --variable-lengths    # CUDA: 0.5B, 2,048-token vocabulary, up to 4,096 tokens
     python3 -m benchmarks.bench_step --tiny                # CPU smoke run on the tiny local model
     python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_partial dapo_stream_carry  # partial rollouts
+    python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_fp8 dapo_fp8_partial  # FP8 rollouts
 
 Both trainers get the same random-init model, prompts, batch geometry and seed. By default generation lengths are
 pinned with `min_new_tokens = max_completion_length`, so both sides decode the same number of tokens. With
@@ -48,6 +49,16 @@ from trl_dapo.trainer.config import DEFAULT_MAX_IN_FLIGHT
 # `dapo_partial` in the default rounds mode (one round per step, stopped once the batch's groups have ended);
 # `dapo_stream_carry` in stream mode (every group qualifies under the parity reward, so it trains what `dapo` trains).
 # Both on the paged engine (the CPU included), with `--max-in-flight` and `--max-age`.
+# FP8 rollouts (GPUs of compute capability 8.9 or more): `dapo_fp8` generates with an FP8 KV cache and FP8 weights,
+# the old policy recomputed under a token-mask correction (what the config requires with FP8; the recompute pass is
+# in its step), `dapo_fp8_partial` the same with partial rollouts.
+FP8_ROLLOUTS = {
+    "rollout_engine": "paged",
+    "rollout_kv_cache_dtype": "fp8",
+    "rollout_weights_dtype": "fp8",
+    "old_logprobs": "recompute",
+    "rollout_correction": "token_mask",
+}
 COMPARISON_KINDS = {
     "trl": {},
     "dapo": {"padding_free": True},
@@ -62,8 +73,12 @@ COMPARISON_KINDS = {
         "dynamic_sampling_mode": "stream",
         "max_num_gen_batches": 0,
     },
+    "dapo_fp8": {"padding_free": True, **FP8_ROLLOUTS},
+    "dapo_fp8_partial": {"padding_free": True, **FP8_ROLLOUTS, "partial_rollouts": True},
 }
-CARRYING_KINDS = ("dapo_partial", "dapo_stream_carry")
+CARRYING_KINDS = ("dapo_partial", "dapo_stream_carry", "dapo_fp8_partial")
+FP8_KINDS = ("dapo_fp8", "dapo_fp8_partial")
+RATIO_KINDS = ("dapo_partial", "dapo_stream_carry", *FP8_KINDS)  # each against `dapo`, same batch
 
 
 def per_kind(values: list[str], default: int) -> dict[str, int]:
@@ -124,7 +139,7 @@ def step_comparison(
         out["ratio_padding_free"] = {
             key: out["dapo"][key] / out["dapo_padded"][key] for key in keys if out["dapo_padded"][key]
         }
-    for kind in [kind for kind in CARRYING_KINDS if {kind, "dapo"} <= set(out)]:  # partial rollouts against none
+    for kind in [kind for kind in RATIO_KINDS if {kind, "dapo"} <= set(out)]:  # against plain DAPO
         keys = ("step_s", "generation_s", "train_s", "train_median_s")
         out[f"ratio_{kind}"] = {key: out[kind][key] / out["dapo"][key] for key in keys if out["dapo"][key]}
 
@@ -196,7 +211,7 @@ def tail_table(results: dict) -> str:
                 f"{mean_metric(r, 'dapo/trained_group_age_mean'):.1f} / "
                 f"{max((m.get('dapo/trained_group_age_max', 0) for m in r['metrics']), default=0):.0f} |"
             )
-        for kind in CARRYING_KINDS:
+        for kind in RATIO_KINDS:
             ratio = comparison.get(f"ratio_{kind}")
             if ratio:
                 lines.append(
@@ -327,7 +342,7 @@ def main() -> None:
     warmup = per_kind(args.warmup or [], default=1)
     steps = per_kind(args.steps or [], default=1 if variable else 3)
 
-    default_kinds = [k for k in COMPARISON_KINDS if k not in CARRYING_KINDS]
+    default_kinds = [k for k in COMPARISON_KINDS if k not in CARRYING_KINDS + FP8_KINDS]
     kinds = args.kinds or (["dapo", "dapo_padded", "trl"] if variable else default_kinds)
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"

@@ -10,13 +10,14 @@ variant (nothing pinned: `min_new_tokens` would make the engine report the EOS-b
 gap of log(1 - p_EOS) per token that is no rounding). Each variant's sampled tokens are then scored by
 teacher-forced forwards as TRL's training forward computes them (its fused LM head, `add_fused_lm_head`,
 micro-batches of `--micro-batch` rows), once per training variant. For every (engine variant, training variant): the gap |train - engine| of the sampled tokens' logprobs
-(mean, max), the k3 estimate of KL(π_engine ‖ π_train) per token, and the shares of tokens whose first-update ratio
+(mean, 99th percentile, max), the k3 estimate of KL(π_engine ‖ π_train) per token, and the shares of tokens whose first-update ratio
 exp(train - engine) leaves DAPO's clip range [0.8, 1.28] (clipped by numerics when the advantage has the sign that
 clips), exceeds a TIS cap of 2 (verl's default), or leaves IcePop's band [0.5, 5]; and the largest deviation of a
 sequence's geometric-mean ratio from 1.
 
 Engine variants: `bf16_logits` (the default), `fp32_logits` (the head's bf16 products kept in float32, which the
-engine does when `cast_lm_head_to_fp32=True`), `reference_attention` (CUDA: decode attention by the engine's PyTorch
+engine does when `cast_lm_head_to_fp32=True`), `fp8_kv` (`rollout_kv_cache_dtype="fp8"`: an e4m3 KV cache; CPU too),
+`fp8_kv_weights` (GPUs with FP8: the cache and `rollout_weights_dtype="fp8"`), `reference_attention` (CUDA: decode attention by the engine's PyTorch
 gather-and-softmax reference instead of its Triton kernel, on the same paged cache, decoded without CUDA graphs, in
 which the reference's page count would stay at its capture value) and, with LoRA,
 `lora_merged_twice` (the adapter merged as the snapshot did before: the delta rounded to bf16, then added in bf16).
@@ -50,12 +51,14 @@ from benchmarks.result_file import ResultFile, default_output, finish
 from benchmarks.timing import timed_call
 from benchmarks.workload import EOS_TOKEN_ID, PAD_TOKEN_ID, config_path, random_model, token_prompts, with_lora
 from trl_dapo.rollout import PagedRolloutEngine, TokenSampling
+from trl_dapo.rollout.fp8 import fp8_supported
 
 DEFAULT_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b:lora16"]
 TINY_MODELS = ["tiny", "tiny:lora4"]
 LORA_B_STD = 0.02  # with PEFT's A init, a delta of about 8% of the base weights' spread at the 7B shape
 CLIP_RANGE, TIS_CAP, ICEPOP_BAND = (0.8, 1.28), 2.0, (0.5, 5.0)
 REFERENCE = "fp32_model"
+PRECISION_VARIANTS = ("bf16_logits", "fp8_kv", "fp8_kv_weights")  # bf16, FP8 KV cache, FP8 KV cache and weights
 
 
 def parse_model(text: str) -> tuple[str, int]:
@@ -79,6 +82,7 @@ def gap_stats(train: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> 
     stats = {
         "tokens": tokens,
         "gap_mean": log_ratio.abs().sum() / tokens,
+        "gap_p99": torch.quantile(log_ratio.abs()[mask], 0.99),
         "gap_max": log_ratio.abs().max(),
         "kl_k3": (ratio - 1 - log_ratio).sum() / tokens,
         "outside_clip_share": share((ratio < CLIP_RANGE[0]) | (ratio > CLIP_RANGE[1])),
@@ -203,6 +207,24 @@ def engine_samples(engine, prompts: list[list[int]], variants: dict, args, devic
     return samples
 
 
+def fp8_samples(model, prompts, settings: TokenSampling, common: dict, args, device: str, save, out: dict) -> dict:
+    """The FP8 engine variants' samples: `fp8_kv` wherever the engine reads an FP8 cache (the CPU's reference
+    attention, CUDA with FP8), `fp8_kv_weights` where the device has FP8 tensor cores; one engine each."""
+    fp8 = fp8_supported(torch.device(device))
+    variants = [("fp8_kv", "fp8", "bf16")] if device == "cpu" or fp8 else []
+    variants += [("fp8_kv_weights", "fp8", "fp8")] if fp8 else []
+    samples = {}
+    for name, kv_cache, weights in variants:
+        engine = PagedRolloutEngine(
+            model, cuda_graph=device == "cuda", kv_cache_dtype=kv_cache, weights_dtype=weights, **common
+        )
+        variant = {name: (settings, contextlib.nullcontext)}
+        samples.update(engine_samples(engine, prompts, variant, args, device, save, out))
+        del engine
+        release_memory()
+    return samples
+
+
 @contextlib.contextmanager
 def snapshot_merged_twice(engine, model):
     """The engine's snapshot with the adapter merged as it was before, then taken again from the model."""
@@ -235,6 +257,7 @@ def measure(spec: str, args, device: str, dtype: torch.dtype, out: dict, save) -
     samples = engine_samples(engine, prompts, variants, args, device, save, out)
     del engine
     release_memory()
+    samples.update(fp8_samples(model, prompts, settings, common, args, device, save, out))
     if device == "cuda":
         # The PyTorch reference reads the pages of the longest row at the last synchronisation: a CUDA graph would
         # freeze that at capture, so this engine decodes eagerly, with the same compiled layers.
@@ -300,15 +323,16 @@ def release_memory() -> None:
 
 def table(models: dict) -> str:
     lines = [
-        "| model | engine | training forward | gap mean | gap max | k3 KL | outside [0.8, 1.28] | > 2 | "
+        "| model | engine | training forward | gap mean | gap p99 | gap max | k3 KL | outside [0.8, 1.28] | > 2 | "
         "outside [0.5, 5] | sequence ratio max dev |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for spec, out in models.items():
         for engine_variant, by_training in out.get("gaps", {}).items():
             for variant, r in by_training.items():
                 lines.append(
-                    f"| {spec} | {engine_variant} | {variant} | {r['gap_mean']:.3g} | {r['gap_max']:.3g} | "
+                    f"| {spec} | {engine_variant} | {variant} | {r['gap_mean']:.3g} | {r['gap_p99']:.3g} | "
+                    f"{r['gap_max']:.3g} | "
                     f"{r['kl_k3']:.2e} | {r['outside_clip_share']:.2%} | {r['above_tis_cap_share']:.2%} | "
                     f"{r['outside_icepop_share']:.2%} | {r['sequence_ratio_max_deviation']:.3f} |"
                 )
@@ -320,6 +344,14 @@ def table(models: dict) -> str:
         if generation:
             passes = ", ".join(f"{k} {v:.3f} s" for k, v in out.get("score_s", {}).items())
             lines.append(f"- {spec}: generation {generation:.3f} s; scoring pass {passes}")
+        precision = {
+            k: out["gaps"][k]["bf16_head"] for k in PRECISION_VARIANTS if "bf16_head" in out.get("gaps", {}).get(k, {})
+        }
+        if len(precision) > 1:
+            gaps = ", ".join(
+                f"{k} {r['gap_mean']:.3g} / {r['gap_p99']:.3g} / {r['gap_max']:.3g}" for k, r in precision.items()
+            )
+            lines.append(f"- {spec} rollout precision, gap mean / p99 / max against bf16_head: {gaps}")
         if out.get("before_after"):
             change = ", ".join(f"{k} {a:.3g} -> {b:.3g}" for k, (a, b) in out["before_after"].items())
             lines.append(f"- {spec} before -> after the source-side fixes: {change}")

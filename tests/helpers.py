@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
@@ -207,3 +208,29 @@ class Snapshots(TrainerCallback):
         parameters = {n: p.detach().clone() for n, p in model.named_parameters()}
         moments = {id(p): s["exp_avg"].clone() for p, s in optimizer.state.items() if "exp_avg" in s}
         self.steps.append((parameters, moments))
+# A loop whose bound is loaded from memory, as the decode kernel's is: Triton's interpreter converts the bound with
+# int() on a one-element array, which NumPy 2.4 refuses (upstream triton-lang/triton#9171); compiled kernels are not
+# affected.
+INTERPRETER_LOOP_PROBE = """
+import torch, triton, triton.language as tl
+@triton.jit
+def count(bound_ptr, out_ptr):
+    total = 0
+    for _ in range(0, tl.load(bound_ptr)):
+        total += 1
+    tl.store(out_ptr, total)
+out = torch.zeros(1, dtype=torch.int32)
+count[(1,)](torch.tensor([3], dtype=torch.int32), out)
+assert out.item() == 3
+"""
+
+
+def run_in_triton_interpreter(script: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+
+
+needs_triton = pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode != 0,
+    reason="Triton is not installed",
+)

@@ -274,16 +274,22 @@ def test_multi_gpu_bench_runs_each_launch_config_at_variable_lengths(tmp_path):
 def test_check_logprob_gap_tiny_scores_every_sampled_token_and_agrees_in_float32(tmp_path):
     stdout, results = run_tiny("check_logprob_gap", tmp_path, "--rows", "16", "--new-tokens", "40")
     assert "| tiny | bf16_logits | bf16_head |" in stdout
+    assert "- tiny rollout precision, gap mean / p99 / max against bf16_head: bf16_logits " in stdout
     for spec in ("tiny", "tiny:lora4"):
         out = results["models"][spec]
         assert "errors" not in out and "error" not in out, out
         lora = {"lora_merged_twice"} if spec == "tiny:lora4" else set()
-        assert set(out["gaps"]) == {"bf16_logits", "fp32_logits"} | lora  # no Triton kernel to compare on the CPU
+        # no Triton kernel to compare on the CPU, no FP8 weights; the FP8 cache is read by the reference attention
+        assert set(out["gaps"]) == {"bf16_logits", "fp32_logits", "fp8_kv"} | lora
         for engine, by_training in out["gaps"].items():
-            reference = set() if engine in lora else {"fp32_model"}
+            reference = set() if engine in lora | {"fp8_kv"} else {"fp32_model"}
             assert set(by_training) == {"bf16_head", "fp32_head", "eager_attention"} | reference
             for r in by_training.values():
                 assert r["tokens"] == out["sampled_tokens"][engine]  # every sampled token, no padding
+                assert r["gap_mean"] <= r["gap_p99"] <= r["gap_max"]
+                if engine == "fp8_kv":  # the cache's e4m3 rounding: the gap FP8 rollouts correct for
+                    assert 1e-4 < r["gap_max"] < 0.5
+                    continue
                 # float32 on the CPU: the engine's logprobs are the training forward's, up to summation order
                 assert r["gap_max"] < 1e-5 and r["outside_clip_share"] == 0
         # the model is float32 already, so TRL's default forward is the float32 reference itself

@@ -5,12 +5,20 @@ set-up errors. The CUDA kernels (the Triton decode kernel over an FP8 cache, `to
 `tests/test_fp8_cuda.py`'s."""
 
 import math
+import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import arithmetic_prompts, dapo_args, first_token_parity
+from helpers import (
+    INTERPRETER_LOOP_PROBE,
+    arithmetic_prompts,
+    dapo_args,
+    first_token_parity,
+    needs_triton,
+    run_in_triton_interpreter,
+)
 from trl_dapo import DAPOConfig, DAPOTrainer
 from trl_dapo.rollout import TokenSampling
 from trl_dapo.rollout.fp8 import (
@@ -20,6 +28,7 @@ from trl_dapo.rollout.fp8 import (
     LayerCache,
     cache_bytes_per_token,
     dequantize_rows,
+    fp8_linear,
     quantize_linears,
     quantize_rows,
 )
@@ -185,6 +194,25 @@ def test_the_engine_decodes_over_an_fp8_cache(model_and_tokenizer):
     assert 0 < (plain - fp8).abs().max() < 0.05
 
 
+@pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("clang++")), reason="the CPU compiler needs a C++ compiler"
+)
+def test_the_compiled_prefill_writes_the_fp8_cache_as_the_eager_one(model_and_tokenizer):
+    """The compiled layer quantises and writes the cache (byte views of the e4m3 tensors) as the eager one does:
+    the same tokens and logprobs (CUDA compiles the same code)."""
+    model, tokenizer = model_and_tokenizer
+    batch = [tokenizer(f"What is {i} + 3?", add_special_tokens=False)["input_ids"] for i in range(4)]
+    outputs = [
+        PagedRolloutEngine(
+            model, eos_token_ids=[], pad_token_id=tokenizer.pad_token_id, dtype=torch.float32, cuda_graph=False,
+            page_size=4, sync_every=3, compile_decode=compiled, kv_cache_dtype="fp8",
+        ).generate(batch, TokenSampling(max_new_tokens=6, greedy=True))
+        for compiled in (False, True)
+    ]  # fmt: skip
+    assert outputs[0].completions == outputs[1].completions
+    assert (outputs[0].logprobs - outputs[1].logprobs).abs().max() < 1e-5
+
+
 def test_fp8_settings_are_checked_before_any_model_loads(tmp_path):
     fp8 = dict(old_logprobs="recompute", rollout_correction="token_mask", rollout_engine="paged")
     with pytest.raises(ValueError, match=r"DAPOConfig.rollout_kv_cache_dtype='fp16' is invalid: use one of"):
@@ -246,3 +274,83 @@ def test_auto_does_not_fall_back_to_trls_path_with_fp8(model_and_tokenizer, tmp_
     args = dapo_args(tmp_path, **settings, rollout_kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"rollout_kv_cache_dtype='fp8' needs trl-dapo's paged engine.*multimodal"):
         select_rollout_engine(EngineSetUp(args=args, **set_up))
+
+
+FP8_INTERPRETER_SCRIPT = """
+import math, torch
+from trl_dapo.rollout.fp8 import LayerCache
+from trl_dapo.rollout.paged_attention import (
+    reference_attention, reference_decode_attention, rotated_heads, triton_decode_attention,
+)
+torch.manual_seed(0)
+cases = [(4, 2, 16, 4, [5, 0, 37, 1], 3, False), (14, 2, 32, 16, [100, 33], 4, True), (6, 3, 16, 4, [9, 2], 1, False)]
+for heads, kv_heads, dim, page, lengths, splits, norm in cases:
+    rows, width = len(lengths), max(math.ceil(n / page) for n in lengths) + 1
+    pool = rows * width + 3
+    slots = (pool + 1) * page
+    cache = LayerCache.empty(slots, kv_heads, dim, torch.float32, fp8=True, device="cpu")
+    cache.write(torch.arange(slots), torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim) * 3)
+    table = torch.randperm(pool)[: rows * width].view(rows, width).int()
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim)
+    angles = torch.rand(rows, dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    position = (lens - 1).clamp(min=0)
+    write = table.gather(1, (position // page).long()[:, None])[:, 0].long() * page + position % page
+    write[lens == 0] = pool * page
+    qk_norm = (torch.rand(dim) + 0.5, torch.rand(dim) + 0.5) if norm else None
+    mine = LayerCache(*(tensor.clone() for tensor in cache))
+    args = (page, heads, qk_norm, 1e-6)
+    reference_decode_attention(
+        qkv, cos, sin, write, cache.k, cache.v, table, lens, *args, max(lengths), k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+    )
+    out = triton_decode_attention(
+        qkv, cos, sin, write, mine.k, mine.v, table, lens, *args, splits, block_n=16, k_scale=mine.k_scale,
+        v_scale=mine.v_scale,
+    )
+    q = rotated_heads(qkv, cos, sin, heads, kv_heads, qk_norm, 1e-6)[0]
+    own = reference_attention(q, *mine.read(torch.arange(slots)), table, lens, page, max(lengths))
+    assert (out - own).abs().max() < 1e-5, (out - own).abs().max()
+    assert (out[lens == 0] == 0).all()
+    live = write[lens > 0]
+    assert torch.equal(mine.k_scale, cache.k_scale) and torch.equal(mine.v_scale, cache.v_scale)
+    for kernel, torch_values in ((mine.k[live].float(), cache.k[live].float()), (mine.v[live].float(), cache.v[live].float())):
+        differ = kernel != torch_values
+        powers = torch_values[differ].abs().log2()
+        assert (powers == powers.round()).all() and torch.equal(kernel[differ] * 2, torch_values[differ])
+        assert differ.float().mean() < 0.05
+"""
+
+
+@needs_triton
+def test_the_triton_kernel_reads_and_writes_an_fp8_cache_in_the_interpreter():
+    """The decode kernel over an FP8 cache in Triton's CPU interpreter (float32 inputs): its output equals the
+    reference attention over the cache as the kernel left it (the scores scaled by k's scales, the softmax weights by
+    v's, the new token quantised and read back), its scales are PyTorch's, and its e4m3 values are too, except that
+    the interpreter's software conversion loses the carry when a value rounds up to a power of two (125.6 to 64, not
+    128): the hardware conversion compiled kernels use has no such defect (`tests/test_fp8_cuda.py`)."""
+    probe = run_in_triton_interpreter(INTERPRETER_LOOP_PROBE)
+    if probe.returncode != 0:
+        pytest.skip(f"Triton's interpreter cannot run a loop with a loaded bound here: {probe.stderr.strip()[-300:]}")
+    result = run_in_triton_interpreter(FP8_INTERPRETER_SCRIPT)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_fp8_linear_through_scaled_mm_is_the_product_of_its_dequantised_operands():
+    """`torch._scaled_mm` runs on the CPU too (the engine refuses FP8 weights there: no FP8 tensor cores, nothing to
+    gain): the operands' layout and scales as `fp8_linear` passes them give the product of the dequantised operands,
+    rounded to bf16, with the bias added in bf16 (two roundings, each within 2^-9 of its result; bounded here with
+    twice that) and leading dimensions kept."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 64, generator=generator).bfloat16()
+    weight = (torch.randn(48, 64, generator=generator) * 0.05).bfloat16()
+    bias = torch.randn(48, generator=generator).bfloat16()
+    values, scale = quantize_rows(weight)
+    out = fp8_linear(x, values, scale, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 5, 48)
+    x_values, x_scale = quantize_rows(x)
+    product = dequantize_rows(x_values, x_scale).double() @ dequantize_rows(values, scale).double().T
+    expected = product + bias.double()
+    assert ((out.double() - expected).abs() <= 2**-8 * (product.abs() + expected.abs()) + 1e-4).all()
+    assert (out.double() - expected).abs().max() > 0  # rounded, not computed in float64

@@ -7,11 +7,8 @@ logging why."""
 
 import logging
 import math
-import os
 import re
 import shutil
-import subprocess
-import sys
 import weakref
 
 import pytest
@@ -19,7 +16,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from helpers import arithmetic_prompts, dapo_args, first_token_parity
+from helpers import (
+    INTERPRETER_LOOP_PROBE,
+    arithmetic_prompts,
+    dapo_args,
+    first_token_parity,
+    needs_triton,
+    run_in_triton_interpreter,
+)
 from trl_dapo import DAPOTrainer
 from trl_dapo.rollout import SUPPORTED_MODEL_TYPES, TokenSampling
 from trl_dapo.rollout.architectures import BY_MODEL_TYPE, UnsupportedArchitecture
@@ -528,32 +532,7 @@ def test_a_cache_too_small_for_one_row_is_a_clear_error(model_and_tokenizer):
         engine_for(model, tokenizer, max_cache_tokens=32).generate(prompts(tokenizer), TokenSampling(64))
 
 
-# A loop whose bound is loaded from memory, as the decode kernel's is: Triton's interpreter converts the bound with
-# int() on a one-element array, which NumPy 2.4 refuses (upstream triton-lang/triton#9171); compiled kernels are not
-# affected.
-INTERPRETER_LOOP_PROBE = """
-import torch, triton, triton.language as tl
-@triton.jit
-def count(bound_ptr, out_ptr):
-    total = 0
-    for _ in range(0, tl.load(bound_ptr)):
-        total += 1
-    tl.store(out_ptr, total)
-out = torch.zeros(1, dtype=torch.int32)
-count[(1,)](torch.tensor([3], dtype=torch.int32), out)
-assert out.item() == 3
-"""
-
-
-def run_in_triton_interpreter(script: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-
-
-@pytest.mark.skipif(
-    subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode != 0,
-    reason="Triton is not installed",
-)
+@needs_triton
 def test_triton_decode_kernel_matches_the_reference_in_the_interpreter():
     """The CUDA decode-attention kernel, run by Triton's CPU interpreter, against the float32 reference: rows of
     different lengths (an idle one, one whose only token is the new one), pages scattered through the pool, one to

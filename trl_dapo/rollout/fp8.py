@@ -36,7 +36,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., n) as e4m3 values (..., n) and float32 scales (...): x ≈ values * scale, one scale per vector of the
     last dimension, its largest magnitude mapped to 448."""
     x32 = x.float()
-    scale = (x32.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)
+    amax = x32.abs().amax(dim=-1)
+    # a tensor divisor: CUDA divides by a Python number as a product with its rounded reciprocal, an ulp off the
+    # IEEE quotient the decode kernel computes (`tl.div_rn`) for half the scales
+    scale = (amax / amax.new_full((), FP8_MAX)).clamp(min=MIN_SCALE)
     values = (x32 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return values, scale
 
