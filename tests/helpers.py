@@ -208,6 +208,8 @@ class Snapshots(TrainerCallback):
         parameters = {n: p.detach().clone() for n, p in model.named_parameters()}
         moments = {id(p): s["exp_avg"].clone() for p, s in optimizer.state.items() if "exp_avg" in s}
         self.steps.append((parameters, moments))
+
+
 # A loop whose bound is loaded from memory, as the decode kernel's is: Triton's interpreter converts the bound with
 # int() on a one-element array, which NumPy 2.4 refuses (upstream triton-lang/triton#9171); compiled kernels are not
 # affected.
