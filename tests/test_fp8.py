@@ -4,7 +4,6 @@ quantised product within the bound its operands' rounding gives, the engine with
 set-up errors. The CUDA kernels (the Triton decode kernel over an FP8 cache, `torch._scaled_mm`) are
 `tests/test_fp8_cuda.py`'s."""
 
-import math
 import shutil
 
 import pytest
@@ -35,6 +34,7 @@ from trl_dapo.rollout.fp8 import (
 from trl_dapo.rollout.paged_attention import reference_attention, reference_decode_attention, rotated_heads
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
 from trl_dapo.rollout.weights import gather_nothing
+from trl_dapo.testing import paged_decode_case
 from trl_dapo.trainer.engine_choice import EngineSetUp, select_rollout_engine
 from trl_dapo.trainer.set_up import check_set_up
 
@@ -100,19 +100,7 @@ def decode_case(seed: int = 0):
     """A decode step of rows of different lengths (an idle one, one whose only token is the new one) over pages
     scattered through a pool, its float32 caches random."""
     torch.manual_seed(seed)
-    heads, kv_heads, dim, page, lengths = 6, 2, 16, 4, [5, 0, 37, 1]
-    rows, width = len(lengths), max(math.ceil(n / page) for n in lengths) + 1
-    pool = rows * width + 3
-    k, v = torch.randn((pool + 1) * page, kv_heads, dim), torch.randn((pool + 1) * page, kv_heads, dim) * 3
-    table = torch.randperm(pool)[: rows * width].view(rows, width).int()
-    lens = torch.tensor(lengths, dtype=torch.int32)
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim)
-    angles = torch.rand(rows, dim // 2) * 6
-    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
-    position = (lens - 1).clamp(min=0)
-    write = table.gather(1, (position // page).long()[:, None])[:, 0].long() * page + position % page
-    write[lens == 0] = pool * page
-    return dict(qkv=qkv, cos=cos, sin=sin, write=write, k=k, v=v, table=table, lens=lens, page=page, heads=heads)
+    return dict(**paged_decode_case(6, 2, 16, 4, [5, 0, 37, 1], value_scale=3), page=4, heads=6)
 
 
 def test_the_reference_decode_attention_reads_an_fp8_cache_as_its_dequantised_values():
@@ -282,22 +270,15 @@ from trl_dapo.rollout.fp8 import LayerCache
 from trl_dapo.rollout.paged_attention import (
     reference_attention, reference_decode_attention, rotated_heads, triton_decode_attention,
 )
+from trl_dapo.testing import paged_decode_case
 torch.manual_seed(0)
 cases = [(4, 2, 16, 4, [5, 0, 37, 1], 3, False), (14, 2, 32, 16, [100, 33], 4, True), (6, 3, 16, 4, [9, 2], 1, False)]
 for heads, kv_heads, dim, page, lengths, splits, norm in cases:
-    rows, width = len(lengths), max(math.ceil(n / page) for n in lengths) + 1
-    pool = rows * width + 3
-    slots = (pool + 1) * page
+    case = paged_decode_case(heads, kv_heads, dim, page, lengths, value_scale=3)
+    qkv, cos, sin, write, table, lens = (case[name] for name in ("qkv", "cos", "sin", "write", "table", "lens"))
+    slots = case["k"].size(0)
     cache = LayerCache.empty(slots, kv_heads, dim, torch.float32, fp8=True, device="cpu")
-    cache.write(torch.arange(slots), torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim) * 3)
-    table = torch.randperm(pool)[: rows * width].view(rows, width).int()
-    lens = torch.tensor(lengths, dtype=torch.int32)
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim)
-    angles = torch.rand(rows, dim // 2) * 6
-    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
-    position = (lens - 1).clamp(min=0)
-    write = table.gather(1, (position // page).long()[:, None])[:, 0].long() * page + position % page
-    write[lens == 0] = pool * page
+    cache.write(torch.arange(slots), case["k"], case["v"])
     qk_norm = (torch.rand(dim) + 0.5, torch.rand(dim) + 0.5) if norm else None
     mine = LayerCache(*(tensor.clone() for tensor in cache))
     args = (page, heads, qk_norm, 1e-6)

@@ -543,20 +543,12 @@ def test_triton_decode_kernel_matches_the_reference_in_the_interpreter():
     script = """
 import math, torch
 from trl_dapo.rollout.paged_attention import reference_decode_attention, triton_decode_attention
+from trl_dapo.testing import paged_decode_case
 torch.manual_seed(0)
 cases = [(4, 2, 16, 4, [5, 0, 37, 1], 3, False), (14, 2, 32, 16, [100, 33], 4, True), (6, 3, 16, 4, [9, 2], 1, False)]
 for heads, kv_heads, dim, page, lengths, splits, norm in cases:
-    rows, width = len(lengths), max(math.ceil(n / page) for n in lengths) + 1
-    pool = rows * width + 3
-    k, v = torch.randn((pool + 1) * page, kv_heads, dim), torch.randn((pool + 1) * page, kv_heads, dim)
-    table = torch.randperm(pool)[: rows * width].view(rows, width).int()
-    lens = torch.tensor(lengths, dtype=torch.int32)
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim)
-    angles = torch.rand(rows, dim // 2) * 6
-    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
-    position = (lens - 1).clamp(min=0)
-    write = table.gather(1, (position // page).long()[:, None])[:, 0].long() * page + position % page
-    write[lens == 0] = pool * page  # an idle slot's write goes to the extra page, which no row reads
+    case = paged_decode_case(heads, kv_heads, dim, page, lengths)
+    qkv, cos, sin, write, k, v, table, lens = case.values()
     qk_norm = (torch.rand(dim) + 0.5, torch.rand(dim) + 0.5) if norm else None
     k_out, v_out = k.clone(), v.clone()
     args = (page, heads, qk_norm, 1e-6)

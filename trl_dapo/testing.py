@@ -1,6 +1,11 @@
-"""Test helpers shipped with the package: a deterministic rollout for trainer tests and benchmarks."""
+"""Test helpers shipped with the package: a deterministic rollout for trainer tests and benchmarks, and a paged decode
+step's inputs for the attention kernels' tests (their Triton-interpreter scripts import it too)."""
 
 from __future__ import annotations
+
+import math
+
+import torch
 
 
 class ScriptedRollout:
@@ -35,3 +40,23 @@ class ScriptedRollout:
             out["completion_ids"].append(completion)
             out["logprobs"].append(logps)
         return out
+
+
+def paged_decode_case(
+    heads: int, kv_heads: int, dim: int, page: int, lengths: list[int], value_scale: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """One decode step's inputs for the paged attention's tests, drawn from torch's global generator: rows of
+    `lengths` tokens (0: an idle slot, whose write goes to the pool's extra page that no row reads) over pages
+    scattered through a pool, random float32 k / v caches (v times `value_scale`), each row's new token and rotary."""
+    rows, width = len(lengths), max(math.ceil(n / page) for n in lengths) + 1
+    pool = rows * width + 3
+    k, v = torch.randn((pool + 1) * page, kv_heads, dim), torch.randn((pool + 1) * page, kv_heads, dim) * value_scale
+    table = torch.randperm(pool)[: rows * width].view(rows, width).int()
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim)
+    angles = torch.rand(rows, dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    position = (lens - 1).clamp(min=0)
+    write = table.gather(1, (position // page).long()[:, None])[:, 0].long() * page + position % page
+    write[lens == 0] = pool * page
+    return dict(qkv=qkv, cos=cos, sin=sin, write=write, k=k, v=v, table=table, lens=lens)
