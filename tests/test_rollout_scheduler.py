@@ -128,6 +128,11 @@ def test_requeued_rows_resume_from_their_own_tokens_in_admission_order():
     assert scheduler.page_count[1] == 2 and scheduler.page_table[1, :2].tolist() == admission.prefill[0].pages
 
 
-def test_a_pool_that_cannot_hold_one_row_is_rejected_up_front():
-    with pytest.raises(ValueError, match="cannot hold one row of up to 30 prompt \\+ 100 new tokens"):
-        Scheduler([[1] * 30], max_new_tokens=100, page_size=16, num_pages=8, max_rows=4, steps=8)
+def test_a_pool_that_cannot_hold_one_row_is_rejected_up_front_naming_the_row():
+    """8 pages of 16 tokens, one kept back (the admission watermark): 112 tokens for a row, so at most 12 prompt tokens
+    beside 100 new ones; the row that cannot fit is named, at its place in the call, here and when rows are added."""
+    with pytest.raises(ValueError, match=r"row 1 of this call: 30 prompt \+ 100 new tokens.*max_prompt_length=12"):
+        Scheduler([[1] * 5, [1] * 30], max_new_tokens=100, page_size=16, num_pages=8, max_rows=4, steps=8)
+    scheduler = Scheduler([[1] * 5], max_new_tokens=100, page_size=16, num_pages=8, max_rows=4, steps=8)
+    with pytest.raises(ValueError, match=r"row 3 of this call: 40 prompt \+ 100 new tokens.*max_prompt_length=12"):
+        scheduler.add_rows([[2] * 3, [2] * 3, [2] * 40])

@@ -111,26 +111,15 @@ class Scheduler:
         self.running: list[int] = []  # rows in decode-slot order
         self.finished = 0
         self.preemptions = 0
-        longest = self._pages_for(int(self.prompt_lengths.max()) + max_new_tokens)
-        if longest + self.watermark > num_pages:
-            raise ValueError(
-                f"KV cache of {num_pages * page_size} tokens cannot hold one row of up to "
-                f"{int(self.prompt_lengths.max())} prompt + {max_new_tokens} new tokens; give the rollout engine "
-                "more memory or lower max_completion_length."
-            )
+        self._check_rows_fit(self.prompt_lengths, first_row=0)
 
     def add_rows(self, prompts: list[list[int]]) -> list[int]:
         """Queue rows of new prompts during a call (streaming refill): rows of one prompt in this call share its
         prefix. Returns their row indices. The page table widens when a prompt is longer than any before."""
         first = len(self.prompts)
         lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+        self._check_rows_fit(lengths, first_row=first)
         longest = self._pages_for(int(lengths.max()) + self.max_new_tokens)
-        if longest + self.watermark > self.pool.num_pages:
-            raise ValueError(
-                f"KV cache of {self.pool.num_pages * self.page_size} tokens cannot hold one row of up to "
-                f"{int(lengths.max())} prompt + {self.max_new_tokens} new tokens; give the rollout engine more memory "
-                "or lower max_completion_length."
-            )
         if longest > self.max_pages:
             self.page_table = np.pad(self.page_table, ((0, 0), (0, longest - self.max_pages)))
             self.max_pages = longest
@@ -158,6 +147,20 @@ class Scheduler:
         self._prefix_count += 1
         self.prefixes[prefix.index] = prefix
         return prefix
+
+    def _check_rows_fit(self, prompt_lengths: np.ndarray, first_row: int) -> None:
+        """Before anything is admitted: the longest of these rows (`first_row` onwards in this call) must fit the pool
+        beside the admission watermark, or the call could never finish; the error names the row and the limits."""
+        longest = int(prompt_lengths.argmax())
+        usable = (self.pool.num_pages - self.watermark) * self.page_size
+        if self._pages_for(int(prompt_lengths[longest]) + self.max_new_tokens) * self.page_size > usable:
+            prompt_limit = usable - self.max_new_tokens
+            refuse = f", or refuse longer prompts with max_prompt_length={prompt_limit}" if prompt_limit > 0 else ""
+            raise ValueError(
+                f"KV cache of {self.pool.num_pages * self.page_size} tokens cannot hold row {first_row + longest} of "
+                f"this call: {int(prompt_lengths[longest])} prompt + {self.max_new_tokens} new tokens; give the rollout "
+                f"engine more memory (rollout_memory_fraction) or lower max_completion_length{refuse}."
+            )
 
     def _pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
