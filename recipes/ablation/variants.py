@@ -142,6 +142,13 @@ def run_order(config: StudyConfig) -> tuple[Variant, ...]:
     return (*first, *(v for v in ladder if v not in first and v not in last), *last)
 
 
+def machinery_fields(bf16: bool, device: str) -> dict[str, Any]:
+    """A study run's precision and device, logged every step to its record alone: no checkpoints, no trackers, no bar."""
+    return dict(
+        bf16=bf16, use_cpu=device == "cpu", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True
+    )
+
+
 def grpo_fields(config: StudyConfig, variant: Variant, seed: int, output_dir: str) -> dict[str, Any]:
     """Every `GRPOConfig` field the study depends on, for both trainers."""
     return dict(
@@ -193,13 +200,7 @@ def grpo_fields(config: StudyConfig, variant: Variant, seed: int, output_dir: st
         off_policy_mask_threshold=None,
         vllm_importance_sampling_correction=False,
         disable_dropout=True,
-        # machinery
-        bf16=config.bf16,
-        use_cpu=config.device == "cpu",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
+        **machinery_fields(config.bf16, config.device),
         log_completions=False,
         remove_unused_columns=False,
     )

@@ -27,6 +27,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from ablation.store import read_json, write_json
+from ablation.variants import machinery_fields
 from trl_dapo import DAPOConfig, DAPOTrainer
 from trl_dapo.data.tasks import task_splits
 from trl_dapo.rewards.math import dapo_math_reward
@@ -92,12 +93,7 @@ def shared_fields(config: RealModelConfig, seed: int, output_dir: Path, temperat
         max_completion_length=config.max_completion_length,
         temperature=temperature,
         top_p=1.0,
-        bf16=config.bf16,
-        use_cpu=config.device == "cpu",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
+        **machinery_fields(config.bf16, config.device),
     )
 
 
