@@ -2,10 +2,12 @@
 
     python3 -m benchmarks.profile_decode                                  # 7B + LoRA at 64 x 512, 0.5B at 128 x 256
     python3 -m benchmarks.profile_decode --models qwen2.5-1.5b@128x256
+    python3 -m benchmarks.profile_decode --models qwen2.5-7b@128x512 qwen2.5-7b:fp8kv@128x512 qwen2.5-7b:fp8@128x512
     python3 -m benchmarks.profile_decode --tiny                           # CPU smoke run on the tiny local model
 
-A model is `NAME[:lora]@ROWSxNEW`: the config (`configs/NAME.json`; `:lora` wraps it in a LoRA r=16 adapter, which
-the engine merges), ROWS rows of 32-token prompts in groups of 16, NEW tokens pinned. Per model:
+A model is `NAME[:lora][:fp8kv|:fp8]@ROWSxNEW`: the config (`configs/NAME.json`; `:lora` wraps it in a LoRA r=16
+adapter, which the engine merges; `:fp8kv` gives the engine an FP8 KV cache, `:fp8` FP8 weights too, and skips the
+microbenchmarks, which time bf16 weights and caches), ROWS rows of 32-token prompts in groups of 16, NEW tokens pinned. Per model:
 
 - the engine's own calls at that shape (wall s, tokens/s, decode s, ms per decode step), after a short warm-up call;
 - per-kernel device time per decode step, from torch.profiler over one call of at most 64 tokens (the same settings)
@@ -46,20 +48,25 @@ TOP_KERNELS = 30
 DEFAULT_MODELS = ["qwen2.5-7b:lora@64x512", "qwen2.5-0.5b@128x256"]
 
 
-def parse_model(text: str) -> tuple[str, bool, int, int]:
-    """`NAME[:lora]@ROWSxNEW` as (name, lora, rows, new tokens)."""
+FP8_OPTIONS = {"fp8kv": ("fp8", "bf16"), "fp8": ("fp8", "fp8")}  # option: (KV cache, weights) dtypes
+
+
+def parse_model(text: str) -> tuple[str, bool, str, int, int]:
+    """`NAME[:lora][:fp8kv|:fp8]@ROWSxNEW` as (name, lora, FP8 option or "", rows, new tokens)."""
     try:
         spec, shape = text.split("@")
         rows, new = (int(n) for n in shape.split("x"))
     except ValueError as error:
-        expected = "expected NAME[:lora]@ROWSxNEW, e.g. qwen2.5-7b:lora@64x512"
+        expected = "expected NAME[:lora][:fp8kv|:fp8]@ROWSxNEW, e.g. qwen2.5-7b:lora@64x512"
         raise argparse.ArgumentTypeError(f"model {text!r}: {expected}") from error
-    name, _, adapter = spec.partition(":")
-    if adapter not in ("", "lora"):
-        raise argparse.ArgumentTypeError(f"model {text!r}: the only option after ':' is 'lora'")
+    name, *options = spec.split(":")
+    unknown = set(options) - {"lora", *FP8_OPTIONS}
+    if unknown or len(set(options) & set(FP8_OPTIONS)) > 1:
+        raise argparse.ArgumentTypeError(f"model {text!r}: the options after ':' are 'lora' and one of fp8kv, fp8")
     if rows < 1 or new < 2:
         raise argparse.ArgumentTypeError(f"model {text!r}: at least 1 row and 2 new tokens (1 decode step)")
-    return name, adapter == "lora", rows, new
+    fp8 = next((option for option in options if option in FP8_OPTIONS), "")
+    return name, "lora" in options, fp8, rows, new
 
 
 def seconds_per_call(function: Callable[[], object], cuda: bool, repeats: int = 50) -> float:
@@ -192,12 +199,16 @@ def attention_and_head(engine: PagedRolloutEngine, rows: int, context: int, sett
     }
 
 
-def profile_model(name: str, lora: bool, rows: int, new_tokens: int, args, setup: dict) -> dict:
+def profile_model(name: str, lora: bool, fp8: str, rows: int, new_tokens: int, args, setup: dict) -> dict:
+    """The engine's calls and kernel profiles; the microbenchmarks time bf16 weights and caches, so an FP8 engine
+    (`fp8`: an option of `FP8_OPTIONS`) skips them."""
     cuda, dtype, bandwidth = setup["device"] == "cuda", setup["dtype"], setup["copy_bytes_per_s"]
     model = build_model(name, lora, setup["device"], dtype)
+    kv_cache_dtype, weights_dtype = FP8_OPTIONS.get(fp8, ("bf16", "bf16"))
     engine = PagedRolloutEngine(
         model, eos_token_ids=[EOS_TOKEN_ID], pad_token_id=PAD_TOKEN_ID, dtype=dtype, cuda_graph=cuda,
-        memory_fraction=args.memory_fraction, max_rows=args.max_rows,
+        memory_fraction=args.memory_fraction, max_rows=args.max_rows, kv_cache_dtype=kv_cache_dtype,
+        weights_dtype=weights_dtype,
     )  # fmt: skip
     engine.sync_weights(model)
     prompts = token_prompts(rows, 32, model.config.vocab_size)
@@ -222,8 +233,9 @@ def profile_model(name: str, lora: bool, rows: int, new_tokens: int, args, setup
         engine.generate(prompts, short)
     entry["eager_profile"] = kernel_profile(lambda: engine.generate(prompts, short), steps, cuda)
     engine.cuda_graph = cuda
-    entry["matrix_products"] = matrix_products(engine, rows, bandwidth, cuda)
-    entry.update(attention_and_head(engine, rows, args.context, pinned, cuda))
+    if not fp8:
+        entry["matrix_products"] = matrix_products(engine, rows, bandwidth, cuda)
+        entry.update(attention_and_head(engine, rows, args.context, pinned, cuda))
     return entry
 
 
@@ -239,11 +251,17 @@ def table(models: dict) -> str:
             continue
         step = sorted(call["ms_per_decode_step"] for call in r["calls"])[len(r["calls"]) // 2]
         kernels = r.get("graph_profile", r["eager_profile"])
-        products = r["matrix_products"]["all"]
+        if "matrix_products" in r:
+            products = r["matrix_products"]["all"]
+            micro = (
+                f"{products['us']:,.0f} ({products['tb_per_s']:.2f}; {products['floor_us']:,.0f}) | "
+                f"{r['attention']['us']:.1f} | {r['head_us']:.1f}"
+            )
+        else:
+            micro = "(bf16 only) | | "
         lines.append(
             f"| {label} | {r['rows']}x{r['new_tokens']} | {step:.3f} | {kernels['us_per_step']:,.0f} "
-            f"({kernels['calls_per_step']:.0f}) | {products['us']:,.0f} ({products['tb_per_s']:.2f}; "
-            f"{products['floor_us']:,.0f}) | {r['attention']['us']:.1f} | {r['head_us']:.1f} |"
+            f"({kernels['calls_per_step']:.0f}) | {micro} |"
         )
     return "\n".join(lines)
 
@@ -251,7 +269,9 @@ def table(models: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on the tiny local model")
-    parser.add_argument("--models", nargs="*", type=parse_model, default=None, help="NAME[:lora]@ROWSxNEW ...")
+    parser.add_argument(
+        "--models", nargs="*", type=parse_model, default=None, help="NAME[:lora][:fp8kv|:fp8]@ROWSxNEW ..."
+    )
     parser.add_argument("--context", type=int, default=288, help="cached tokens per row in the attention timing")
     parser.add_argument("--calls", type=int, default=3, help="measured calls of the engine at each model's shape")
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="the engine's device memory budget")
@@ -269,10 +289,10 @@ def main() -> None:
     results = output.data["models"] = {}
     setup = {"device": device, "dtype": dtype, "copy_bytes_per_s": bandwidth}
     failures = 0
-    for name, lora, rows, new_tokens in models:
-        label = f"{name}+lora-r16" if lora else name
+    for name, lora, fp8, rows, new_tokens in models:
+        label = name + ("+lora-r16" if lora else "") + (f"+{fp8}" if fp8 else "")
         try:
-            results[label] = profile_model(name, lora, rows, new_tokens, args, setup)
+            results[label] = profile_model(name, lora, fp8, rows, new_tokens, args, setup)
         except Exception as error:  # recorded and reported; the other models still run
             traceback.print_exc()
             results[label], failures = {"error": f"{type(error).__name__}: {error}"[:300]}, failures + 1
