@@ -215,7 +215,11 @@ def profile_model(name: str, lora: bool, fp8: str, rows: int, new_tokens: int, a
     pinned = TokenSampling(new_tokens, temperature=1.0, min_new_tokens=new_tokens)
     # the measured calls' settings, fewer tokens: what the engine compiles for (all but the length) is the same
     short = dataclasses.replace(pinned, max_new_tokens=min(PROFILED_TOKENS, new_tokens))
-    entry: dict = {"rows": rows, "new_tokens": new_tokens, "profiled_tokens": short.max_new_tokens}
+    entry: dict = {
+        "rows": rows, "new_tokens": new_tokens, "profiled_tokens": short.max_new_tokens,
+        "kv_cache_dtype": kv_cache_dtype, "weights_dtype": weights_dtype,
+        "cache_bytes_per_token": engine.cache_bytes_per_token(),
+    }  # fmt: skip
     entry["warmup_s"] = timed_call(engine.generate, prompts, short)[1]
     entry["calls"] = []
     for _ in range(args.calls):

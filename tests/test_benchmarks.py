@@ -1,8 +1,10 @@
 """The benchmarks run end to end on the CPU (smoke runs, not timings) and count what they report correctly."""
 
+import argparse
 import itertools
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -191,6 +193,29 @@ def test_bench_rollout_tiny_counts_tokens_and_bandwidth_floor(tmp_path):
     assert hf["decode_steps"] == hf["lengths"]["max"]
     assert 0 < hf["finished_row_share"] == 1 - hf["useful_tokens"] / (16 * hf["decode_steps"])
     assert all(r["bandwidth_use"] > 0 for runs in by_shape.values() for r in runs.values())
+
+
+def test_profile_decode_fp8_cache_option_builds_an_fp8_engine_and_skips_the_bf16_microbenchmarks(tmp_path):
+    stdout, results = run_tiny(
+        "profile_decode", tmp_path, "--models", "tiny@4x3", "tiny:fp8kv@4x3", "--calls", "1", "--context", "8"
+    )
+    plain, fp8 = results["models"]["tiny"], results["models"]["tiny+fp8kv"]
+    assert "error" not in fp8, fp8
+    assert "| tiny+fp8kv | 4x3 |" in stdout
+    # k and v in 2 layers of 2 KV heads of 16 values: float32 on the CPU, or e4m3 bytes plus a float32 scale per head
+    assert plain["cache_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert fp8["cache_bytes_per_token"] == 2 * 2 * 2 * (16 + 4)
+    assert (fp8["kv_cache_dtype"], fp8["weights_dtype"]) == ("fp8", "bf16")
+    assert "matrix_products" in plain and "matrix_products" not in fp8 and "attention" not in fp8
+    assert [call["decode_steps"] for call in fp8["calls"]] == [2]
+
+
+@pytest.mark.parametrize("text", ["tiny:fp8:fp8kv@4x3", "tiny:int8@4x3", "tiny@4"])
+def test_profile_decode_refuses_a_malformed_model(text):
+    from benchmarks.profile_decode import parse_model
+
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(text)):
+        parse_model(text)
 
 
 def test_profile_decode_tiny_counts_steps_and_the_products_bytes(tmp_path):
