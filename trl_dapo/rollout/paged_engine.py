@@ -37,6 +37,7 @@ from .fp8 import (
     WEIGHTS_DTYPES,
     LayerCache,
     cache_bytes_per_token,
+    fp8_linear,
     fp8_unsupported_reason,
     linear,
     quantize_linears,
@@ -114,6 +115,7 @@ class PagedRolloutEngine:
         self.attention_kernel = attention_kernel or ("triton" if triton_runs else "reference")
         self._attention_inputs, self._decode_qkv, self._layer_output = self._qkv, self._normed_qkv, self._mlp
         self._final_norm, self._pick = self._residual_norm, pick_tokens
+        self._fp8_output = fp8_linear
         self._down_biases: dict[int, torch.Tensor | None] = {}  # decode rows -> the down projection's bias argument
         wanted = cuda_graph if compile_decode is None else compile_decode
         if wanted and self.device.type == "cuda" and triton is None:
@@ -128,6 +130,8 @@ class PagedRolloutEngine:
             self._layer_output = _compile_with_rows(self._mlp, (0, 1))
             self._final_norm = _compile_with_rows(self._residual_norm, (0, 1))
             self._pick = _compile_with_rows(pick_tokens, (0, 2, 5))  # hidden, noise, generated
+            # FP8 weights: the output projection's activation quantisation fused (eager, six kernels a layer)
+            self._fp8_output = _compile_with_rows(fp8_linear, (0,))
 
     def _set_fp8(self, kv_cache_dtype: str, weights_dtype: str) -> None:
         """FP8 (`fp8.py`) for the KV cache and / or the decoder layers' linear weights ("bf16": the engine's dtype),
@@ -223,11 +227,14 @@ class PagedRolloutEngine:
         self._down_biases[rows] = zeros if min(with_bias) < 0.98 * min(without) else None
         return self._down_biases[rows]
 
-    @staticmethod
-    def _output_projection(attention: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _output_projection(self, attention: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
         """(..., heads, head_dim) attention output to (T, hidden), outside the compiled layer: its input is often a
-        view, whose base the compiled code would guard on (and recompile for), and a matrix product is not fused."""
-        return linear(attention.reshape(-1, attention.size(-2) * attention.size(-1)), layer, "o_weight")
+        view, whose base the compiled code would guard on (and recompile for), and a bf16 product is not fused. FP8
+        weights compile the product on a contiguous copy, so that its activations' quantisation fuses."""
+        x = attention.reshape(-1, attention.size(-2) * attention.size(-1))
+        if self.fp8_weights:
+            return self._fp8_output(x.contiguous(), layer["o_weight_fp8"], layer["o_weight_scale"])
+        return torch.nn.functional.linear(x, layer["o_weight"])
 
     def _rope_tables(self, length: int) -> bool:
         """cos/sin tables for positions below `length`, at least the model's own maximum (built once); whether they
