@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 
@@ -42,6 +43,7 @@ from .fp8 import (
     quantize_linears,
 )
 from .generation import DeviceTimer, Generation, GenerationOutput, RolloutStats, on_side_stream, slot_bucket
+from .kept import KeptRow
 from .paged_attention import rms_norm, rotated_heads, triton
 from .token_sampling import TokenSampling, pick_tokens, stop_table
 from .weights import WeightSnapshot, gather_nothing
@@ -271,6 +273,12 @@ class PagedRolloutEngine:
             raise ValueError(f"max_new_tokens={settings.max_new_tokens} must be at least 1.")
         return RolloutStream(self, prompt_ids, settings, resumed)
 
+    def memory_bytes(self) -> int:
+        """The device's memory (the host's for the CPU): what a share such as the kept cache's budget is of."""
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_properties(self.device).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
     def cache_bytes_per_token(self) -> int:
         layers = len(self.snapshot.layers)
         return cache_bytes_per_token(layers, self.num_kv_heads, self.head_dim, self.dtype, self.fp8_kv_cache)
@@ -411,6 +419,18 @@ class RolloutStream:
     def _check_open(self) -> None:
         if self._generation.released:
             raise RuntimeError("the stream is closed: its KV pool is freed, no row decodes again.")
+
+    def keep(self, rows: list[int], max_bytes: int) -> dict[int, KeptRow]:
+        """Copy the KV of those of `rows` still decoding out of the pool, within `max_bytes` (`kept.py`): by row, what
+        a later stream's `adopt` continues them from after `close` frees the pool. Rows not returned have none kept."""
+        self._check_open()
+        return self._generation.keep(rows, max_bytes)
+
+    def adopt(self, rows: list[int], kept: list[KeptRow]) -> int:
+        """Resumed rows just added (`add` or the stream's first rows, with their tokens in `resumed`) continue from
+        their kept KV instead of a prefill, where a slot and pages are free; returns how many did."""
+        self._check_open()
+        return self._generation.adopt(rows, kept)
 
     def outputs(self, rows: list[int]) -> tuple[list[list[int]], torch.Tensor]:
         """Completions of `rows` (each cut after its EOS; an unfinished row's tokens so far, at the last step's
