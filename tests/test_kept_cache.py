@@ -5,6 +5,7 @@ continues from KV the older weights wrote, as a hand-built transformers cache do
 the pool leave out are prefilled, and the counts say which. Then the trainer on the CPU's paged engine."""
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -66,7 +67,8 @@ def resume(engine, batch, partial, kept: dict, fresh: list[int]):
 
 def test_a_row_continued_from_its_kept_cache_ends_as_a_row_never_cut(tiny_model, tokenizer):
     """Same weights: every row continues from its kept KV (no prefill but the fresh row's prompt) and ends with the
-    tokens and logprobs of a call never cut. The samples of a prompt share its full pages in the kept cache."""
+    tokens and logprobs of a call never cut. The samples of a prompt share its full pages in the kept cache, which is
+    freed once its rows are adopted and dropped."""
     engine = engine_for(fresh_model(tiny_model), tokenizer)
     batch, fresh = group_prompts(tokenizer), group_prompts(tokenizer, 3, 1)[2]
     uncut = engine.generate(batch, GREEDY)
@@ -82,6 +84,9 @@ def test_a_row_continued_from_its_kept_cache_ends_as_a_row_never_cut(tiny_model,
     assert (stats.kept_cache_rows, stats.resumed_rows, stats.resumed_prefill_tokens) == (4, 4, 0)
     assert stats.prefill_tokens == len(fresh)
     assert stats.kept_cache_tokens == sum(len(prompt) + 6 for prompt in batch)
+    cache = weakref.ref(kept[0].cache)
+    kept.clear()
+    assert cache() is None  # the stream copied it into its pool and holds no reference: freed once the rows let go
 
 
 def hand_built_continuation(old, new, prompt, tokens, eos, length=16):

@@ -344,7 +344,8 @@ class Generation:
 
     def keep(self, rows: list[int], max_bytes: int) -> dict[int, KeptRow]:
         """The KV of those of `rows` that decode (a waiting row has none to keep), copied out of the pool within
-        `max_bytes` (a row that does not fit is skipped), by row; the rest are prefilled again when resumed."""
+        `max_bytes` and what the memory budget leaves beside the pool (a row that does not fit is skipped), by row;
+        the rest are prefilled again when resumed."""
         scheduler, page_size = self.scheduler, self.engine.page_size
         running = set(scheduler.running)
         decoding = [row for row in rows if row in running]
@@ -354,7 +355,8 @@ class Generation:
             scheduler.page_table[row, : math.ceil(length / page_size)].tolist()
             for row, length in zip(decoding, lengths, strict=True)
         ]
-        chosen, places = choose_pages(pages, max_bytes // (page_size * self.engine.cache_bytes_per_token()))
+        max_bytes = min(max_bytes, self.engine.budget_left())
+        chosen, places = choose_pages(pages, int(max_bytes // (page_size * self.engine.cache_bytes_per_token())))
         if not chosen:
             return {}
         cache = KeptCache(self.caches, list(places), page_size, self.engine.device)

@@ -313,12 +313,19 @@ class PagedRolloutEngine:
     def _budget_pages(self, pages: int, rows: int, max_new_tokens: int) -> int:
         """`pages`, at most what the memory budget leaves for the KV cache of a call with `rows` output rows."""
         if self.device.type == "cuda":
-            budget = self.memory_fraction * torch.cuda.get_device_properties(self.device).total_memory
             slots = slot_bucket(min(rows, self.max_rows), self.max_rows)
             outputs = (rows + 1) * max_new_tokens * 8
-            free = budget - torch.cuda.memory_allocated(self.device) - self._workspace_bytes(slots) - outputs
+            free = self.budget_left() - self._workspace_bytes(slots) - outputs
             pages = min(pages, int(free // (self.page_size * self.cache_bytes_per_token())) - 1)
         return pages
+
+    def budget_left(self) -> float:
+        """Bytes the process may still allocate under `memory_fraction` of the device (unbounded off CUDA, where the
+        budget is not applied): what a new KV pool, or a kept copy of one's pages beside it, may take."""
+        if self.device.type != "cuda":
+            return math.inf
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return self.memory_fraction * total - torch.cuda.memory_allocated(self.device)
 
 
 def _compile_with_rows(function, row_arguments: tuple[int, ...]):

@@ -404,8 +404,9 @@ class StreamRun:
         whose samples have all ended is complete at once."""
         prompts, resumed, owners, complete, kept = [], [], [], [], []
         for group in groups:
-            kept_rows = group.kept or [None] * len(group.tokens)
-            group = dataclasses.replace(group.entered(self.step_weights), kept=None)  # the stream takes the KV
+            # the group hands its kept KV to the stream, which copies it into its pool: freed once adopted
+            kept_rows, group.kept = group.kept or [None] * len(group.tokens), None
+            group = group.entered(self.step_weights)
             index, pending = self.outcome.admitted_groups, _PendingGroup(group)
             self.pending[index] = pending
             for sample in range(self.driver.num_generations):
