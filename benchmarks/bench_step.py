@@ -346,7 +346,7 @@ def main() -> None:
         "per step so a round fills them from the prompts beyond its batch (default: --max-rows)",
     )  # fmt: skip
     parser.add_argument(
-        "--keep-cache", type=float, default=0.05,
+        "--keep-cache", type=float, default=0.1,
         help="dapo_partial_kept: partial_rollout_keep_cache, the share of the device's memory its carried rows' KV "
         "keeps through the training step",
     )  # fmt: skip
