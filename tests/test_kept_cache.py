@@ -65,16 +65,17 @@ def resume(engine, batch, partial, kept: dict, fresh: list[int]):
     return completions, logprobs, second.close()
 
 
-def test_a_row_continued_from_its_kept_cache_ends_as_a_row_never_cut(tiny_model, tokenizer):
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
+def test_a_row_continued_from_its_kept_cache_ends_as_a_row_never_cut(tiny_model, tokenizer, kv_cache_dtype):
     """Same weights: every row continues from its kept KV (no prefill but the fresh row's prompt) and ends with the
-    tokens and logprobs of a call never cut. The samples of a prompt share its full pages in the kept cache, which is
-    freed once its rows are adopted and dropped."""
-    engine = engine_for(fresh_model(tiny_model), tokenizer)
+    tokens and logprobs of a call never cut, also with an FP8 cache (its values and scales kept bitwise). The samples
+    of a prompt share its full pages in the kept cache, which is freed once its rows are adopted and dropped."""
+    engine = engine_for(fresh_model(tiny_model), tokenizer, kv_cache_dtype=kv_cache_dtype)
     batch, fresh = group_prompts(tokenizer), group_prompts(tokenizer, 3, 1)[2]
     uncut = engine.generate(batch, GREEDY)
     partial, kept, left = cut(engine, batch, max_bytes=1 << 30)
     assert sorted(kept) == [0, 1, 2, 3] and all(len(tokens) == 6 for tokens, _ in partial)
-    page_bytes = 4 * engine.cache_bytes_per_token()
+    page_bytes = 4 * engine.cache_bytes_per_token()  # an FP8 cache: a byte a value and a float32 scale a head
     own_pages = sum(len(row.pages) for row in kept.values())
     shared = {row.cache for row in kept.values()}
     assert len(shared) == 1 and left.kept_cache_bytes == shared.pop().pages * page_bytes < own_pages * page_bytes
@@ -135,7 +136,8 @@ def test_rows_the_budget_the_slots_or_the_pool_leave_out_are_prefilled(tiny_mode
     """Pages of 4 tokens, rows cut 6 tokens in. A budget of 6 pages keeps the first prompt's 2 rows (10 prompt tokens
     + 5 tokens of KV each: its 2 full pages shared, 2 pages of each row's own), not the second prompt's (14 + 5: 5
     more pages for its first row); resumed with one decode slot, the first kept row adopts it, the other waits and is
-    prefilled, as are the rows not kept. Every row ends as uncut; the counts say which way each went."""
+    prefilled, as are the rows not kept; every row kept but resumed in a pool of 9 pages, the second prompt's rows
+    find too few pages and are prefilled. Every row ends as uncut; the counts say which way each went."""
     engine = engine_for(fresh_model(tiny_model), tokenizer)
     batch = group_prompts(tokenizer)
     uncut = engine.generate(batch, GREEDY)
@@ -148,6 +150,15 @@ def test_rows_the_budget_the_slots_or_the_pool_leave_out_are_prefilled(tiny_mode
     torch.testing.assert_close(logprobs, uncut.logprobs, atol=1e-5, rtol=1e-5)
     assert (stats.kept_cache_rows, stats.resumed_rows) == (1, 4)
     assert stats.resumed_prefill_tokens == sum(len(prompt) + 6 for prompt in batch[1:])
+
+    # every row kept, resumed in a pool of 9 pages (1 kept free): the first row takes 4 pages for its KV and 1 for its
+    # next 5 tokens, the second shares 2 of them and takes 3 (2 of its own, 1 ahead); the free page is all that is left
+    partial, kept, _ = cut(engine, batch, max_bytes=1 << 30)
+    small_pool = engine_for(fresh_model(tiny_model), tokenizer, max_cache_tokens=36)
+    completions, logprobs, stats = resume(small_pool, batch, partial, kept, batch[0])
+    assert completions == uncut.completions
+    torch.testing.assert_close(logprobs, uncut.logprobs, atol=1e-5, rtol=1e-5)
+    assert (stats.kept_cache_rows, stats.resumed_rows, stats.cache_tokens) == (2, 4, 36)
 
 
 def test_only_a_resumed_row_not_yet_prefilled_adopts_a_kept_cache(tiny_model, tokenizer):

@@ -8,7 +8,8 @@ cache preallocated at rows x maximum length runs out of memory. Here:
   call's `Generation`, `generation.py`), so a call costs its total tokens rather than rows x its longest row, and
   any number of rows completes;
 - the KV cache is a pool of pages sized from a memory budget; rows of one prompt share its pages, prefilled once;
-  when pages run out the latest rows are preempted and recomputed later;
+  when pages run out the latest rows are preempted and recomputed later; rows a stream leaves decoding can keep
+  their pages' KV for a later stream to continue them from (`kept.py`, partial rollouts);
 - decode attention reads only each row's filled pages (`paged_attention.py`), prefill uses PyTorch's
   memory-efficient scaled-dot-product attention;
 - on CUDA one decode step (all layers, sampling, bookkeeping) is a CUDA graph per slot-count bucket (powers of two),
@@ -368,7 +369,8 @@ class RolloutStream:
     Its decode slots are the engine's `max_rows`; the KV pool is sized for that many rows at once with prompts as long
     as the longest first one (within the memory budget; rows wait or are preempted beyond it); the output buffers
     double when rows outgrow them (captured graphs are then captured again). Rows are never cut: the caller stops
-    stepping (dropping what is in flight) or steps until `idle` (finishing it).
+    stepping (dropping what is in flight, or keeping its KV with `keep` for a later stream's `adopt`) or steps until
+    `idle` (finishing it).
     """
 
     def __init__(
