@@ -5,6 +5,8 @@ with the old policy recomputed; training MFU and decode bandwidth use against th
     python3 -m benchmarks.bench_step --variable-lengths    # CUDA: 0.5B, 2,048-token vocabulary, up to 4,096 tokens
     python3 -m benchmarks.bench_step --tiny                # CPU smoke run on the tiny local model
     python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_partial dapo_stream_carry  # partial rollouts
+    python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_partial dapo_partial_kept --carry-max-rows 256
+        # partial rollouts re-prefilling their carried rows and keeping their KV, in a slot pool twice the batch's
     python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_fp8 dapo_fp8_partial  # FP8 rollouts
 
 Both trainers get the same random-init model, prompts, batch geometry and seed. By default generation lengths are
@@ -15,8 +17,8 @@ decodes. Tokens/s is the tokens generated over generation time (the completions'
 generated, its own count). Where the engine generated, a second table gives its calls per step: decode steps, the
 tail's share of them (steps with under a quarter of the engine's `--max-rows` slots busy), and the rows carried
 across steps by partial rollouts (left in flight at the end of a step, resumed with their prompt and tokens prefilled
-again), with the share of trained tokens an earlier step's weights sampled and the trained groups' age. Prints the
-tables last and writes everything to `benchmarks/results/<name>.json` after every trainer.
+again, or from their kept KV), with the share of trained tokens an earlier step's weights sampled and the trained
+groups' age. Prints the tables last and writes everything to `benchmarks/results/<name>.json` after every trainer.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ from trl_dapo.trainer.config import DEFAULT_MAX_IN_FLIGHT
 # Partial rollouts (rows unfinished at the end of a step carried into the next, continued under the new weights):
 # `dapo_partial` in the default rounds mode (one round per step, stopped once the batch's groups have ended);
 # `dapo_stream_carry` in stream mode (every group qualifies under the parity reward, so it trains what `dapo` trains).
-# Both on the paged engine (the CPU included), with `--max-in-flight` and `--max-age`.
+# Both on the paged engine (the CPU included), with `--max-in-flight`, `--max-age` and `--carry-max-rows`.
+# `dapo_partial_kept` is `dapo_partial` whose carried rows keep their KV across the step (`--keep-cache`, the
+# `partial_rollout_keep_cache` share of the device's memory) and continue from it instead of a prefill.
 # FP8 rollouts (GPUs of compute capability 8.9 or more): `dapo_fp8` generates with an FP8 KV cache and FP8 weights,
 # the old policy recomputed under a token-mask correction (what the config requires with FP8; the recompute pass is
 # in its step), `dapo_fp8_partial` the same with partial rollouts.
@@ -73,12 +77,14 @@ COMPARISON_KINDS = {
         "dynamic_sampling_mode": "stream",
         "max_num_gen_batches": 0,
     },
+    "dapo_partial_kept": {"padding_free": True, "rollout_engine": "paged", "partial_rollouts": True},
     "dapo_fp8": {"padding_free": True, **FP8_ROLLOUTS},
     "dapo_fp8_partial": {"padding_free": True, **FP8_ROLLOUTS, "partial_rollouts": True},
 }
-CARRYING_KINDS = ("dapo_partial", "dapo_stream_carry", "dapo_fp8_partial")
+CARRYING_KINDS = ("dapo_partial", "dapo_partial_kept", "dapo_stream_carry", "dapo_fp8_partial")
+KEPT_CACHE_KINDS = ("dapo_partial_kept",)
 FP8_KINDS = ("dapo_fp8", "dapo_fp8_partial")
-RATIO_KINDS = ("dapo_partial", "dapo_stream_carry", *FP8_KINDS)  # each against `dapo`, same batch
+RATIO_KINDS = ("dapo_partial", "dapo_partial_kept", "dapo_stream_carry", *FP8_KINDS)  # against `dapo`, same batch
 
 
 def per_kind(values: list[str], default: int) -> dict[str, int]:
@@ -105,11 +111,13 @@ def step_comparison(
     lora: int = 0,
     dapo_settings: dict | None = None,
     carry_settings: dict | None = None,
+    keep_cache: float = 0.0,
 ) -> None:
     """Run the trainers `kinds` names, in that order, on the same model, prompts and batch (a LoRA adapter of rank
     `lora` on every linear layer when set; `dapo_settings`: DAPOConfig fields every DAPO trainer gets, and
-    `carry_settings` those carrying rows across steps); each one's result goes into `out`, saved at once (a run cut
-    short in a slow trainer keeps the ones before)."""
+    `carry_settings` those carrying rows across steps, `keep_cache` the share of memory the kept-cache kinds keep
+    their carried rows' KV in); each one's result goes into `out`, saved at once (a run cut short in a slow trainer
+    keeps the ones before)."""
     from peft import LoraConfig
 
     dataset = prompts(4 * setup["rows_per_step"], vocab_size=len(tokenizer), words=setup["prompt_words"])
@@ -121,6 +129,8 @@ def step_comparison(
         settings = {} if kind == "trl" else {**(dapo_settings or {}), **COMPARISON_KINDS[kind]}
         if kind in CARRYING_KINDS:
             settings.update(carry_settings or {})
+        if kind in KEPT_CACHE_KINDS:
+            settings["partial_rollout_keep_cache"] = keep_cache
         out[kind] = run_trainer(
             trainer, model, tokenizer, dataset, setup, warmup[kind], steps[kind], profile=profile,
             peft_config=peft_config, **settings,
@@ -194,9 +204,9 @@ def tail_table(results: dict) -> str:
     trained tokens' policies were (means of the measured steps' logged metrics), and partial rollouts against none."""
     lines = [
         "| model | trainer | step s | generation s | train s | decode steps | tail share | slots busy | "
-        "generated tok | left in flight: rows / tok | resumed: rows / prefill tok | older-policy tokens | "
-        "group age mean / max |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "generated tok | left in flight: rows / tok | resumed: rows / prefill tok | kept cache: rows / MiB | "
+        "older-policy tokens | group age mean / max |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, comparison in results["models"].items():
         for kind in [kind for kind in COMPARISON_KINDS if comparison.get(kind, {}).get("engine")]:
@@ -206,7 +216,8 @@ def tail_table(results: dict) -> str:
                 f"{e['decode_steps_per_step']:.0f} | {e['tail_share']:.1%} | {e['slot_occupancy']:.1%} | "
                 f"{e['generated_tokens_per_step']:.0f} | {e['unfinished_rows_per_step']:.1f} / "
                 f"{e['unfinished_tokens_per_step']:.0f} | {e['resumed_rows_per_step']:.1f} / "
-                f"{e['resumed_prefill_tokens_per_step']:.0f} | "
+                f"{e['resumed_prefill_tokens_per_step']:.0f} | {e['kept_cache_rows_per_step']:.1f} / "
+                f"{e['kept_cache_bytes_per_step'] / 2**20:.1f} | "
                 f"{mean_metric(r, 'dapo/old_policy_token_share'):.1%} | "
                 f"{mean_metric(r, 'dapo/trained_group_age_mean'):.1f} / "
                 f"{max((m.get('dapo/trained_group_age_max', 0) for m in r['metrics']), default=0):.0f} |"
@@ -216,7 +227,7 @@ def tail_table(results: dict) -> str:
             if ratio:
                 lines.append(
                     f"| {name} | {kind}/dapo | {ratio['step_s']:.3f} | {ratio.get('generation_s', float('nan')):.3f} "
-                    f"| {ratio['train_s']:.3f} | | | | | | | | |"
+                    f"| {ratio['train_s']:.3f} | | | | | | | | | |"
                 )
     return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -330,6 +341,16 @@ def main() -> None:
         "generation batches (more keeps the slots busier and the trained groups older)",
     )  # fmt: skip
     parser.add_argument(
+        "--carry-max-rows", type=int, default=None,
+        help="the kinds carrying rows across steps: their decode slots (rollout_max_rows), e.g. twice the completions "
+        "per step so a round fills them from the prompts beyond its batch (default: --max-rows)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--keep-cache", type=float, default=0.1,
+        help="dapo_partial_kept: partial_rollout_keep_cache, the share of the device's memory its carried rows' KV "
+        "keeps through the training step",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-age", type=int, default=None,
         help="the kinds carrying rows across steps: partial_rollout_max_age, optimizer steps a carried group may age "
         "before it is dropped (default: never; the in-flight cap bounds the age)",
@@ -351,11 +372,17 @@ def main() -> None:
     setup = batch_setup(args, device, pin_lengths=not variable, gradient_checkpointing=checkpointing)
     dapo_settings = {"rollout_max_rows": args.max_rows or setup["rows_per_step"]}
     carry_settings = {"partial_rollout_max_in_flight": args.max_in_flight, "partial_rollout_max_age": args.max_age}
+    if args.carry_max_rows:
+        carry_settings["rollout_max_rows"] = args.carry_max_rows
     default_models = ["qwen2.5-0.5b-v2048"] if variable else ["qwen2.5-0.5b", "qwen2.5-1.5b"]
     configs = {name: config_path(name) for name in (["tiny"] if args.tiny else args.models or default_models)}
     output = ResultFile(args.output or default_output("bench_step", args.tiny, device), device, setup)
     output.data["setup"].update(
-        warmup=str(warmup), steps=str(steps), **{k: str(v) for k, v in {**dapo_settings, **carry_settings}.items()}
+        warmup=str(warmup),
+        steps=str(steps),
+        keep_cache=str(args.keep_cache),
+        carry_max_rows=str(carry_settings.get("rollout_max_rows", dapo_settings["rollout_max_rows"])),
+        **{k: str(v) for k, v in {**carry_settings, **dapo_settings}.items()},
     )
     results = output.data
     results["ceilings"] = ceilings = hardware_ceilings(device)
@@ -372,7 +399,7 @@ def main() -> None:
             comparison = results["models"][name] = {}
             step_comparison(
                 config, tokenizer, setup, kinds, warmup, steps, comparison, save, prefix, args.lora,
-                dapo_settings, carry_settings,
+                dapo_settings, carry_settings, args.keep_cache,
             )  # fmt: skip
             results["limits"][name] = limits(config, setup, comparison, ceilings)
             save()

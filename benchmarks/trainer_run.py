@@ -171,7 +171,8 @@ def run_trainer(
 def engine_summary(calls: list[dict], measured: range) -> dict | None:
     """The paged engine's calls in the measured steps (`timing.record_engine_calls`), per step: their wall time,
     decode steps and the tail's share of them, the tokens they generated (not those resumed rows brought in), the
-    rows they resumed with those rows' prefill, and the rows a stream left in flight (carried to the next step, or
+    rows they resumed with those rows' prefill, those of them continued from a kept cache with the prefill it saved,
+    the KV they kept for the next step, and the rows a stream left in flight (carried to the next step, or
     dropped); None when the engine did not generate."""
     calls = [call for call in calls if call["step"] in measured]
     if not calls:
@@ -191,6 +192,9 @@ def engine_summary(calls: list[dict], measured: range) -> dict | None:
         "prefill_tokens_per_step": per_step("prefill_tokens"),
         "resumed_rows_per_step": per_step("resumed_rows"),
         "resumed_prefill_tokens_per_step": per_step("resumed_prefill_tokens"),
+        "kept_cache_rows_per_step": per_step("kept_cache_rows"),
+        "kept_cache_tokens_per_step": per_step("kept_cache_tokens"),
+        "kept_cache_bytes_per_step": per_step("kept_cache_bytes"),
         "unfinished_rows_per_step": per_step("unfinished_rows"),
         "unfinished_tokens_per_step": per_step("unfinished_tokens"),
         "calls": calls,

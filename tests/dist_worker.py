@@ -22,6 +22,8 @@
   a run resumed from it: rows carried across steps on each rank, their groups gathered into the checkpoint and handed
   back to the rank that holds them. Greedy samples of a group are alike (no gradient): weight decay moves the weights,
   so carried rows continue under other weights.
+- `partial_kept`: `partial_straight` without checkpoints, its carried rows keeping their KV across the step
+  (`partial_rollout_keep_cache`): each rank keeps the KV of the rows it holds and continues them from it.
 
 `argv[3]` `cuda`: every rank on the first CUDA device (gloo on CUDA tensors: ranks sharing one GPU), float32, with
 the paged engine's memory share cut so the ranks fit beside each other; else the CPU.
@@ -154,11 +156,11 @@ def trainers(model_path: str, output: str, world: int, device: dict) -> dict[str
     )  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
-    def partial_rollouts(name: str) -> RecordingDAPOTrainer:
+    def partial_rollouts(name: str, **overrides) -> RecordingDAPOTrainer:
         ending = end_sooner(AutoModelForCausalLM.from_pretrained(model_path), tokenizer.eos_token_id)
         trainer = RecordingDAPOTrainer(
             model=ending, processing_class=tokenizer, reward_funcs=alternating_reward,
-            train_dataset=arithmetic_prompts(40), args=dapo_args(f"{output}.{name}", **carrying),
+            train_dataset=arithmetic_prompts(40), args=dapo_args(f"{output}.{name}", **carrying | overrides),
         )  # fmt: skip
         trainer.paged_engine.sync_every = 2  # rounds stop with rows in flight
         return trainer
@@ -166,6 +168,7 @@ def trainers(model_path: str, output: str, world: int, device: dict) -> dict[str
     return {
         "partial_straight": partial_rollouts("partial_straight"),
         "partial_resumed": partial_rollouts("partial_resumed"),
+        "partial_kept": partial_rollouts("partial_kept", partial_rollout_keep_cache=0.01, save_strategy="no"),
         "sparse": sparse,
         "scripted": RecordingDAPOTrainer(model=model_path, args=scripted, **scripted_run),
         "scripted_padded": RecordingDAPOTrainer(

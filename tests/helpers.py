@@ -1,5 +1,5 @@
 """Shared test helpers: fixed-length prompts, config defaults for the CPU, simple rewards, a free port, worker
-launches, a scripted stand-in for the engine's stream."""
+launches, a scripted stand-in for the engine's stream, a partial-rollouts trainer and its generation batches."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from trl_dapo import DAPOConfig
+from trl_dapo import DAPOConfig, DAPOTrainer
 from trl_dapo.rollout.generation import RolloutStats
 
 TESTS = Path(__file__).parent
@@ -236,3 +236,51 @@ needs_triton = pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode != 0,
     reason="Triton is not installed",
 )
+
+
+def partial_trainer(model: str, output, **overrides) -> DAPOTrainer:
+    """Partial rollouts on the paged engine: batches of 4 groups of 2 greedy rows of the ending model (rows of 1 to 17
+    tokens); 32 slots (the in-flight cap's 12 groups and a batch's 4 prompts, which enter whatever the cap, decode at
+    once: none waits); the engine synchronising every 2 decode steps, so rounds stop with rows in flight; every group
+    informative (`alternating_reward`)."""
+    settings = dict(
+        num_generations=2, per_device_train_batch_size=8, max_completion_length=24, rollout_engine="paged",
+        partial_rollouts=True, rollout_max_rows=32, generation_kwargs={"do_sample": False}, max_steps=4,
+        learning_rate=0.1,
+    )  # fmt: skip
+    trainer = DAPOTrainer(
+        model=model, reward_funcs=alternating_reward, train_dataset=arithmetic_prompts(40),
+        args=dapo_args(output, **settings | overrides),
+    )  # fmt: skip
+    trainer.paged_engine.sync_every = 2
+    return trainer
+
+
+# Sampled among each step's 3 likeliest tokens: the ending model's rows still end at varied lengths (1 to 24 tokens),
+# and the samples of a group differ, so the weights move (greedy samples of a group are alike: no gradient).
+SAMPLED = dict(generation_kwargs=None, top_k=3)
+
+
+def record_batches(trainer: DAPOTrainer) -> list[tuple[int, dict, dict]]:
+    """Each generation batch as collected: `(optimizer step, every rank's rows with each token's sampling step, the
+    training model's weights that generated it)`."""
+    records, collect = [], trainer.collector.collect
+
+    def recorded(inputs, step):
+        weights = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+        collected = collect(inputs, step)
+        records.append((step, {key: value.clone() for key, value in collected.batch.items()}, weights))
+        return collected
+
+    trainer.collector.collect = recorded
+    return records
+
+
+def rows_of(batch: dict) -> list[tuple[list[int], list[int]]]:
+    """Each row's prompt and completion tokens."""
+    return [
+        (p[pm.bool()].tolist(), c[cm.bool()].tolist())
+        for p, pm, c, cm in zip(
+            batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], strict=True
+        )
+    ]

@@ -146,6 +146,29 @@ def test_bench_step_runs_partial_rollouts_beside_dapo_and_reports_what_they_carr
     assert "| tiny | dapo_partial |" in stdout and "| tiny | dapo_partial/dapo |" in stdout
 
 
+def test_bench_step_runs_partial_rollouts_keeping_their_kv_beside_dapo(tmp_path):
+    """`dapo_partial_kept` on the CPU's paged engine, as `dapo_partial` above, its carried rows keeping their KV
+    (`--keep-cache`, far more than they need) in a pool of 16 slots for 8 rows a step (`--carry-max-rows`; `dapo`'s
+    own pool is 8): every row one call leaves decoding continues in the next from its kept KV, with no prefill; the
+    prefill it saved is each one's prompt (27 tokens) and tokens."""
+    stdout, results = run_tiny(
+        "bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo", "dapo_partial_kept", "--prompts", "4",
+        "--generations", "2", "--ga", "1", "--new-tokens", "300", "--max-rows", "8", "--carry-max-rows", "16",
+        "--max-in-flight", "2", "--keep-cache", "0.01", "--warmup", "0", "--steps", "4", "dapo=1",
+    )  # fmt: skip
+    setup, models = results["setup"], results["models"]["tiny"]
+    assert (setup["rollout_max_rows"], setup["carry_max_rows"], setup["keep_cache"]) == ("8", "16", "0.01")
+    calls = models["dapo_partial_kept"]["engine"]["calls"]
+    resumed = [(before, after) for before, after in itertools.pairwise(calls) if after["resumed_rows"]]
+    assert resumed, calls
+    for before, after in resumed:
+        assert before["kept_cache_bytes"] > 0 and after["resumed_prefill_tokens"] == 0
+        assert after["kept_cache_rows"] == after["resumed_rows"] == before["unfinished_rows"]
+        assert after["kept_cache_tokens"] == after["resumed_tokens"] + 27 * after["resumed_rows"]
+    assert {call["pool_slot_steps"] // max(call["decode_steps"], 1) for call in calls} == {16}
+    assert "| tiny | dapo_partial_kept/dapo |" in stdout
+
+
 def test_bench_sampling_tiny_runs_each_mode(tmp_path):
     _, results = run_tiny(
         "bench_sampling", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",

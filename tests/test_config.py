@@ -126,6 +126,15 @@ def test_oversample_accepts_auto_and_numbers():
         (dict(partial_rollouts=True, partial_rollout_max_in_flight=1.0), "partial_rollout_max_in_flight=1.0"),
         (dict(partial_rollout_max_age=2), "partial_rollout_max_age=2"),  # without partial rollouts: ignored
         (dict(partial_rollout_max_in_flight=2.0), "partial_rollout_max_in_flight=2.0"),
+        (dict(partial_rollout_keep_cache=0.05), "partial_rollout_keep_cache=0.05"),  # without partial rollouts
+        (
+            dict(partial_rollouts=True, rollout_engine="paged", partial_rollout_keep_cache=1.0),
+            "partial_rollout_keep_c",
+        ),
+        (
+            dict(partial_rollouts=True, rollout_engine="paged", partial_rollout_keep_cache=-0.1),
+            "partial_rollout_keep_c",
+        ),
         (dict(partial_rollouts=True, rollout_engine="trl"), "partial_rollouts=True"),
         (dict(partial_rollouts=True, use_vllm=True), "partial_rollouts=True"),
         (dict(dynamic_sampling_in_flight="carry"), "dynamic_sampling_in_flight='carry'"),  # rounds mode

@@ -257,3 +257,19 @@ def test_partial_rollouts_carry_and_resume_the_same_rows_on_two_ranks_as_on_one(
         assert resumed["global_step"] == 3 and resumed["rows"] == straight["rows"][8:]
         for name, value in straight["parameters"].items():
             torch.testing.assert_close(resumed["parameters"][name], value, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.distributed
+def test_each_rank_keeps_the_kv_of_the_rows_it_carries(runs):
+    """`partial_straight` keeping its carried rows' KV: each rank keeps and continues from its own rows' KV (older
+    weights' KV, so the rows' later logprobs differ from the prefilled run's), and 2 ranks train the rows and logprobs
+    1 rank does, with every carried row continued from its kept KV on both (none prefilled again)."""
+    one, two = (run["partial_kept"] for run in runs)
+    assert len(one["rows"]) == 3 * 8 and one["rows"] == two["rows"]
+    for mine, theirs in zip(one["old_logprobs"], two["old_logprobs"], strict=True):
+        torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=0)
+    kept = [[entry.get("dapo/carried_rows_kept_cache", 0) for entry in run["metrics"]] for run in (one, two)]
+    assert kept[0] == kept[1] and sum(kept[0]) > 0
+    assert not any(entry.get("dapo/carried_rows_reprefilled") for run in (one, two) for entry in run["metrics"])
+    pairs = zip(one["old_logprobs"], runs[0]["partial_straight"]["old_logprobs"], strict=True)
+    assert any(ours.shape != theirs.shape or not torch.allclose(ours, theirs, atol=1e-4) for ours, theirs in pairs)

@@ -9,7 +9,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import ScriptedStream, alternating_reward, arithmetic_prompts, dapo_args, teacher_forced_logprobs
+from helpers import (
+    SAMPLED,
+    ScriptedStream,
+    alternating_reward,
+    arithmetic_prompts,
+    dapo_args,
+    partial_trainer,
+    record_batches,
+    rows_of,
+    teacher_forced_logprobs,
+)
 from trl_dapo import DAPOTrainer
 from trl_dapo.sampling import filter_groups
 from trl_dapo.sampling.carried import CarriedGroups
@@ -177,54 +187,6 @@ def test_the_in_flight_cap_counts_generation_batches_and_covers_a_larger_round()
 
 
 # ----------------------------------------------------------------------------------------------- the trainer (CPU)
-
-
-def partial_trainer(model: str, output, **overrides) -> DAPOTrainer:
-    """Partial rollouts on the paged engine: batches of 4 groups of 2 greedy rows of the ending model (rows of 1 to 17
-    tokens); 32 slots (the in-flight cap's 12 groups and a batch's 4 prompts, which enter whatever the cap, decode at
-    once: none waits); the engine synchronising every 2 decode steps, so rounds stop with rows in flight; every group
-    informative (`alternating_reward`)."""
-    settings = dict(
-        num_generations=2, per_device_train_batch_size=8, max_completion_length=24, rollout_engine="paged",
-        partial_rollouts=True, rollout_max_rows=32, generation_kwargs={"do_sample": False}, max_steps=4,
-        learning_rate=0.1,
-    )  # fmt: skip
-    trainer = DAPOTrainer(
-        model=model, reward_funcs=alternating_reward, train_dataset=arithmetic_prompts(40),
-        args=dapo_args(output, **settings | overrides),
-    )  # fmt: skip
-    trainer.paged_engine.sync_every = 2
-    return trainer
-
-
-# Sampled among each step's 3 likeliest tokens: the ending model's rows still end at varied lengths (1 to 24 tokens),
-# and the samples of a group differ, so the weights move (greedy samples of a group are alike: no gradient).
-SAMPLED = dict(generation_kwargs=None, top_k=3)
-
-
-def record_batches(trainer: DAPOTrainer) -> list[tuple[int, dict, dict]]:
-    """Each generation batch as collected: `(optimizer step, every rank's rows with each token's sampling step, the
-    training model's weights that generated it)`."""
-    records, collect = [], trainer.collector.collect
-
-    def recorded(inputs, step):
-        weights = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
-        collected = collect(inputs, step)
-        records.append((step, {key: value.clone() for key, value in collected.batch.items()}, weights))
-        return collected
-
-    trainer.collector.collect = recorded
-    return records
-
-
-def rows_of(batch: dict) -> list[tuple[list[int], list[int]]]:
-    """Each row's prompt and completion tokens."""
-    return [
-        (p[pm.bool()].tolist(), c[cm.bool()].tolist())
-        for p, pm, c, cm in zip(
-            batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], strict=True
-        )
-    ]
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .fp8 import LayerCache
+from .kept import KeptCache, KeptRow, choose_pages, page_slots
 from .paged_attention import num_splits, reference_decode_attention, triton_decode_attention
 from .scheduler import Prefix, Scheduler
 from .token_sampling import TokenSampling, sampling_noise
@@ -46,6 +47,9 @@ class RolloutStats:
     resumed_rows: int = 0  # rows that continued after tokens an earlier call sampled (partial rollouts)
     resumed_tokens: int = 0  # those earlier tokens (in `generated_tokens`: this call generated the rest)
     resumed_prefill_tokens: int = 0  # prompt and earlier tokens prefilled for resumed rows (in `prefill_tokens`)
+    kept_cache_rows: int = 0  # of the resumed rows, those that continued from a kept cache (`kept.py`), unprefilled
+    kept_cache_tokens: int = 0  # their prompts and earlier tokens: the prefill the kept cache saved
+    kept_cache_bytes: int = 0  # the KV this call kept for rows it left decoding (held through the training step)
     unfinished_rows: int = 0  # rows still decoding or waiting when a stream closed (its caller carries or drops them)
     unfinished_tokens: int = 0  # the tokens those rows held
     preemptions: int = 0
@@ -255,7 +259,7 @@ class Generation:
             source, target = (
                 torch.tensor(pages, dtype=torch.long, device=device) for pages in zip(*admission.copies, strict=True)
             )
-            source, target = (self._page_slots(pages) for pages in (source, target))
+            source, target = (page_slots(pages, engine.page_size) for pages in (source, target))
             for cache in self.caches:
                 cache.copy(target, source)
         if admission.rows:
@@ -274,11 +278,6 @@ class Generation:
             slots.page_table[:live, : table.size(1)] = table.to(device)
             self.max_length = int(scheduler.page_count[running].max()) * engine.page_size
         self.live = live
-
-    def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        """Cache slots of whole pages, page after page."""
-        offsets = torch.arange(self.engine.page_size, device=pages.device)
-        return (pages.unsqueeze(1) * self.engine.page_size + offsets).flatten()
 
     def _start_rows(self, rows: list[int], prefixes: list[int]) -> None:
         """Sample the next token of newly admitted rows from their prefix's last hidden state; append them to the
@@ -342,6 +341,53 @@ class Generation:
                 self.stats.resumed_tokens += len(tokens)
                 self.out_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
                 self.out_logprobs[row, : len(tokens)] = logprobs[: len(tokens)].to(self.out_logprobs)
+
+    def keep(self, rows: list[int], max_bytes: int) -> dict[int, KeptRow]:
+        """The KV of those of `rows` that decode (a waiting row has none to keep), copied out of the pool within
+        `max_bytes` and what the memory budget leaves beside the pool (a row that does not fit is skipped), by row;
+        the rest are prefilled again when resumed."""
+        scheduler, page_size = self.scheduler, self.engine.page_size
+        running = set(scheduler.running)
+        decoding = [row for row in rows if row in running]
+        # a row's KV covers its prompt and its tokens but the last one, which the next decode step feeds
+        lengths = [int(scheduler.prompt_lengths[row] + scheduler.generated[row]) - 1 for row in decoding]
+        pages = [
+            scheduler.page_table[row, : math.ceil(length / page_size)].tolist()
+            for row, length in zip(decoding, lengths, strict=True)
+        ]
+        max_bytes = min(max_bytes, self.engine.budget_left())
+        chosen, places = choose_pages(pages, int(max_bytes // (page_size * self.engine.cache_bytes_per_token())))
+        if not chosen:
+            return {}
+        cache = KeptCache(self.caches, list(places), page_size, self.engine.device)
+        self.stats.kept_cache_bytes += cache.nbytes
+        rows_kept = [decoding[i] for i in chosen]
+        last = self.out_tokens[rows_kept, (scheduler.generated[rows_kept] - 1).tolist()].tolist()
+        return {
+            row: KeptRow(cache, tuple(places[page] for page in pages[i]), token)
+            for row, i, token in zip(rows_kept, chosen, last, strict=True)
+        }
+
+    def adopt(self, rows: list[int], kept: list[KeptRow]) -> int:
+        """Resumed rows (added, not yet admitted) that continue from their kept KV: each takes a decode slot and pool
+        pages holding a copy of its kept ones, and decodes its last token next, without a prefill; a row that finds no
+        slot or too few pages stays waiting and is prefilled. Returns how many were adopted."""
+        scheduler, device = self.scheduler, self.engine.device
+        placed: dict[KeptCache, dict[int, int]] = {}
+        adopted = 0
+        for row, keep in zip(rows, kept, strict=True):
+            copies = scheduler.adopt(row, list(keep.pages), placed.setdefault(keep.cache, {}))
+            if copies is None:
+                continue
+            if copies:
+                keep.cache.copy_into(self.caches, *map(list, zip(*copies, strict=True)), device)
+            slot = len(scheduler.running) - 1
+            self.slots.tokens[slot], self.slots.active[slot] = keep.last_token, True
+            self.stats.kept_cache_rows += 1
+            self.stats.kept_cache_tokens += int(scheduler.prompt_lengths[row] + scheduler.generated[row])
+            adopted += 1
+        self.live = len(scheduler.running)
+        return adopted
 
     def _grow_outputs(self, rows: int) -> None:
         """Reallocate the output buffers for `rows` rows (plus the row idle slots write to)."""

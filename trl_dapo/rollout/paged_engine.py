@@ -8,7 +8,8 @@ cache preallocated at rows x maximum length runs out of memory. Here:
   call's `Generation`, `generation.py`), so a call costs its total tokens rather than rows x its longest row, and
   any number of rows completes;
 - the KV cache is a pool of pages sized from a memory budget; rows of one prompt share its pages, prefilled once;
-  when pages run out the latest rows are preempted and recomputed later;
+  when pages run out the latest rows are preempted and recomputed later; rows a stream leaves decoding can keep
+  their pages' KV for a later stream to continue them from (`kept.py`, partial rollouts);
 - decode attention reads only each row's filled pages (`paged_attention.py`), prefill uses PyTorch's
   memory-efficient scaled-dot-product attention;
 - on CUDA one decode step (all layers, sampling, bookkeeping) is a CUDA graph per slot-count bucket (powers of two),
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 
@@ -43,6 +45,7 @@ from .fp8 import (
     quantize_linears,
 )
 from .generation import DeviceTimer, Generation, GenerationOutput, RolloutStats, on_side_stream, slot_bucket
+from .kept import KeptRow
 from .paged_attention import rms_norm, rotated_heads, triton
 from .token_sampling import TokenSampling, pick_tokens, stop_table
 from .weights import WeightSnapshot, gather_nothing
@@ -278,6 +281,12 @@ class PagedRolloutEngine:
             raise ValueError(f"max_new_tokens={settings.max_new_tokens} must be at least 1.")
         return RolloutStream(self, prompt_ids, settings, resumed)
 
+    def memory_bytes(self) -> int:
+        """The device's memory (the host's for the CPU): what a share such as the kept cache's budget is of."""
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_properties(self.device).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
     def cache_bytes_per_token(self) -> int:
         layers = len(self.snapshot.layers)
         return cache_bytes_per_token(layers, self.num_kv_heads, self.head_dim, self.dtype, self.fp8_kv_cache)
@@ -312,12 +321,19 @@ class PagedRolloutEngine:
     def _budget_pages(self, pages: int, rows: int, max_new_tokens: int) -> int:
         """`pages`, at most what the memory budget leaves for the KV cache of a call with `rows` output rows."""
         if self.device.type == "cuda":
-            budget = self.memory_fraction * torch.cuda.get_device_properties(self.device).total_memory
             slots = slot_bucket(min(rows, self.max_rows), self.max_rows)
             outputs = (rows + 1) * max_new_tokens * 8
-            free = budget - torch.cuda.memory_allocated(self.device) - self._workspace_bytes(slots) - outputs
+            free = self.budget_left() - self._workspace_bytes(slots) - outputs
             pages = min(pages, int(free // (self.page_size * self.cache_bytes_per_token())) - 1)
         return pages
+
+    def budget_left(self) -> float:
+        """Bytes the process may still allocate under `memory_fraction` of the device (unbounded off CUDA, where the
+        budget is not applied): what a new KV pool, or a kept copy of one's pages beside it, may take."""
+        if self.device.type != "cuda":
+            return math.inf
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return self.memory_fraction * total - torch.cuda.memory_allocated(self.device)
 
 
 def _compile_with_rows(function, row_arguments: tuple[int, ...]):
@@ -360,7 +376,8 @@ class RolloutStream:
     Its decode slots are the engine's `max_rows`; the KV pool is sized for that many rows at once with prompts as long
     as the longest first one (within the memory budget; rows wait or are preempted beyond it); the output buffers
     double when rows outgrow them (captured graphs are then captured again). Rows are never cut: the caller stops
-    stepping (dropping what is in flight) or steps until `idle` (finishing it).
+    stepping (dropping what is in flight, or keeping its KV with `keep` for a later stream's `adopt`) or steps until
+    `idle` (finishing it).
     """
 
     def __init__(
@@ -418,6 +435,18 @@ class RolloutStream:
     def _check_open(self) -> None:
         if self._generation.released:
             raise RuntimeError("the stream is closed: its KV pool is freed, no row decodes again.")
+
+    def keep(self, rows: list[int], max_bytes: int) -> dict[int, KeptRow]:
+        """Copy the KV of those of `rows` still decoding out of the pool, within `max_bytes` (`kept.py`): by row, what
+        a later stream's `adopt` continues them from after `close` frees the pool. Rows not returned have none kept."""
+        self._check_open()
+        return self._generation.keep(rows, max_bytes)
+
+    def adopt(self, rows: list[int], kept: list[KeptRow]) -> int:
+        """Resumed rows just added (`add` or the stream's first rows, with their tokens in `resumed`) continue from
+        their kept KV instead of a prefill, where a slot and pages are free; returns how many did."""
+        self._check_open()
+        return self._generation.adopt(rows, kept)
 
     def outputs(self, rows: list[int]) -> tuple[list[list[int]], torch.Tensor]:
         """Completions of `rows` (each cut after its EOS; an unfinished row's tokens so far, at the last step's

@@ -258,6 +258,33 @@ class Scheduler:
         self.prefix_of[row] = prefix.index
         self.generated[row] = len(tokens)
 
+    def adopt(self, row: int, kept_pages: list[int], placed: dict[int, int]) -> list[tuple[int, int]] | None:
+        """A resumed row whose KV is at hand (kept from an earlier call: `kept_pages`, keys of `placed`, which maps
+        the kept pages already given a pool page in this call to it) skips its prefill: it takes a decode slot now,
+        with pool pages for its kept ones (a page another row of this call already placed is shared) and for its next
+        `steps` tokens. Returns the `(kept page, pool page)` pairs newly allocated, whose KV the caller copies; None,
+        the row left waiting to be prefilled, when no slot is free or the pool is short."""
+        prefix = self.prefixes.get(self.prefix_of[row])
+        if prefix is None or not prefix.resumed or prefix.prefilled or row not in self.waiting:
+            raise ValueError("only a resumed row that waits, its tokens not yet prefilled, can adopt a kept cache.")
+        new = [page for page in dict.fromkeys(kept_pages) if page not in placed]
+        decode = self._pages_to_decode(row, int(self.generated[row]))
+        if len(self.running) >= self.max_rows or len(new) + max(decode - len(kept_pages), 0) + self.watermark > (
+            self.pool.free
+        ):
+            return None
+        allocated = self.pool.allocate(len(new))
+        self.pool.share([placed[page] for page in kept_pages if page in placed])
+        placed.update(zip(new, allocated, strict=True))
+        self.page_table[row, : len(kept_pages)] = [placed[page] for page in kept_pages]
+        self.page_count[row] = len(kept_pages)
+        if decode > len(kept_pages):
+            self._grow(row, decode - len(kept_pages))
+        del self.prefixes[prefix.index]
+        self.waiting.remove(row)
+        self.running.append(row)
+        return list(zip(new, allocated, strict=True))
+
     def requeue(self, row: int, generated_tokens: list[int]) -> None:
         """Put a preempted row back at the head of the queue, to be prefilled with its prompt and these tokens."""
         prefix = self._new_prefix(self.prompts[row] + generated_tokens, waiting=1, private=True)

@@ -43,7 +43,8 @@ class PartialRound:
 
     `start(prompt_ids, resumed)` opens the engine's stream; `draw(count)` gives the next prompts of the admission
     order; `tokenize(row)` a prompt's ids; `agree` sums counts over ranks; `slots`: each rank's decode slots; `step`:
-    the optimizer step whose weights generate."""
+    the optimizer step whose weights generate; `keep_cache_bytes`: the KV of the rows carried on that the engine
+    keeps for the next round, at most (0: none, they are prefilled again)."""
 
     def __init__(
         self,
@@ -56,10 +57,11 @@ class PartialRound:
         rank: int,
         slots: int,
         step: int,
+        keep_cache_bytes: int = 0,
     ) -> None:
         self.start, self.draw, self.tokenize, self.agree = start, draw, tokenize, agree
         self.num_generations, self.world, self.rank, self.slots, self.step = num_generations, world, rank, slots, step
-        self.fill_rows = slots  # what `StreamRun` reads
+        self.fill_rows, self.keep_cache_bytes = slots, keep_cache_bytes  # what `StreamRun` reads
 
     def run(
         self, target: int, max_in_flight: int, carried: list[CarriedGroup], first: int, next_serial: int

@@ -83,6 +83,10 @@ class GenerationStats:
     decode_steps: int = 0
     tail_decode_steps: int = 0  # of those, with under a quarter of the slots busy (the engine's `tail_decode_steps`)
     resumed_prefill_tokens: int = 0  # of `prefill_tokens`, the prompts and earlier tokens of carried rows resumed
+    resumed_rows: int = 0  # carried rows resumed (after tokens an earlier call sampled)
+    kept_cache_rows: int = 0  # of those, continued from their kept KV without a prefill (`rollout/kept.py`)
+    kept_cache_tokens: int = 0  # their prompts and earlier tokens, whose prefill the kept KV saved
+    kept_cache_bytes: int = 0  # KV kept for the rows carried on, held through the training step
     carried_groups: int = 0  # groups held for the next round or generation batch (partial rollouts)
     carried_rows: int = 0  # their rows still to decode
     carried_tokens: int = 0  # every token they hold, finished siblings' included
@@ -94,8 +98,19 @@ class GenerationStats:
     @classmethod
     def from_engine(cls, stats) -> GenerationStats:
         """The counts of one engine call (`RolloutStats`, or a stand-in with the same names)."""
-        names = ("busy_slot_steps", "pool_slot_steps", "prefill_tokens", "decode_steps", "tail_decode_steps")
-        counts = {name: getattr(stats, name) for name in (*names, "resumed_prefill_tokens")}
+        names = (
+            "busy_slot_steps",
+            "pool_slot_steps",
+            "prefill_tokens",
+            "decode_steps",
+            "tail_decode_steps",
+            "resumed_prefill_tokens",
+            "resumed_rows",
+            "kept_cache_rows",
+            "kept_cache_tokens",
+            "kept_cache_bytes",
+        )
+        counts = {name: getattr(stats, name) for name in names}
         return cls(**counts, generated_tokens=stats.generated_tokens - stats.resumed_tokens)
 
     def metrics(self) -> dict[str, float]:
@@ -107,6 +122,10 @@ class GenerationStats:
                 "dapo/prefill_tokens": self.prefill_tokens,
                 "dapo/tail_share": self.tail_decode_steps / max(self.decode_steps, 1),
                 "dapo/resumed_prefill_tokens": self.resumed_prefill_tokens,
+                "dapo/carried_rows_reprefilled": self.resumed_rows - self.kept_cache_rows,
+                "dapo/carried_rows_kept_cache": self.kept_cache_rows,
+                "dapo/carried_tokens_kept_cache": self.kept_cache_tokens,
+                "dapo/kept_cache_bytes": self.kept_cache_bytes,
             }
         carried = ("carried_groups", "carried_rows", "carried_tokens", "aged_out_groups", "aged_out_tokens")
         if any(getattr(self, name) for name in carried):

@@ -27,12 +27,15 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .filters import GroupFilter
 from .stats import GenerationStats, SamplingStats
+
+if TYPE_CHECKING:
+    from ..rollout.kept import KeptRow
 
 IN_FLIGHT_POLICIES = ("finish", "drop", "carry")
 # Floor on the efficiency the admission divides by, so a run of filtered groups cannot ask for unbounded prompts.
@@ -88,6 +91,9 @@ class CarriedGroup:
     birth: int = -1  # the optimizer step of the generation batch that first admitted it (set when it first enters)
     segments: Segments = field(default_factory=list)  # empty until it first enters a stream
     serial: int = -1  # rounds mode: its place in the admission order every rank agrees on (-1: stream mode)
+    # per sample, the KV the engine kept for it when it was carried (`rollout/kept.py`), or None: prefilled on resume;
+    # never saved with checkpoints
+    kept: list[KeptRow | None] | None = None
 
     @classmethod
     def fresh(cls, row: dict[str, Any], prompt_ids: list[int], num_generations: int, serial: int = -1) -> CarriedGroup:
@@ -202,6 +208,7 @@ class GroupStream:
         prior: tuple[float, float] = (0.0, 0.0),
         fill_rows: int = 0,
         step: int = 0,
+        keep_cache_bytes: int = 0,
     ) -> None:
         if in_flight not in IN_FLIGHT_POLICIES:
             raise ValueError(f"in_flight={in_flight!r}: use one of {IN_FLIGHT_POLICIES}.")
@@ -221,6 +228,7 @@ class GroupStream:
         )
         self.prior_qualified, self.prior_generated = prior
         self.step = step  # the optimizer step whose weights the engine generates with (each token's sampler)
+        self.keep_cache_bytes = keep_cache_bytes  # "carry": the carried rows' KV kept within this budget (0: none)
 
     def efficiency(self, qualified: float, generated: float) -> float:
         """Running share of groups that qualify: the buffer's decayed history plus this stream's global counts."""
@@ -394,8 +402,10 @@ class StreamRun:
     def enter(self, groups: list[CarriedGroup]) -> None:
         """Queue groups: rows still to decode (resumed after their tokens so far), samples already ended kept; a group
         whose samples have all ended is complete at once."""
-        prompts, resumed, owners, complete = [], [], [], []
+        prompts, resumed, owners, complete, kept = [], [], [], [], []
         for group in groups:
+            # the group hands its kept KV to the stream, which copies it into its pool: freed once adopted
+            kept_rows, group.kept = group.kept or [None] * len(group.tokens), None
             group = group.entered(self.step_weights)
             index, pending = self.outcome.admitted_groups, _PendingGroup(group)
             self.pending[index] = pending
@@ -404,6 +414,7 @@ class StreamRun:
                     prompts.append(group.prompt_ids)
                     resumed.append((group.tokens[sample], group.logprobs[sample]))
                     owners.append((index, sample))
+                    kept.append(kept_rows[sample])
                     pending.left += 1
                     self.resumed_tokens += len(group.tokens[sample])
             if not pending.left:
@@ -417,6 +428,9 @@ class StreamRun:
         for row, (index, sample) in zip(rows, owners, strict=True):
             self.pending[index].stream_rows[sample] = row
             self.row_group[row] = (index, sample)
+        adopted = [(row, keep) for row, keep in zip(rows, kept, strict=True) if keep is not None]
+        if adopted:
+            self.stream.adopt(*map(list, zip(*adopted, strict=True)))
         self._complete(complete)
 
     def admit(self, count: int) -> None:
@@ -480,8 +494,18 @@ class StreamRun:
         return True
 
     def in_flight(self) -> list[CarriedGroup]:
-        """The groups still in flight as they stand, to be carried."""
-        return [pending.merged(self.stream) for pending in self.pending.values()]
+        """The groups still in flight as they stand, to be carried; with the driver's `keep_cache_bytes`, each with
+        the KV of those of its rows still decoding that fit that budget, kept for the next stream to continue from."""
+        groups = [pending.merged(self.stream) for pending in self.pending.values()]
+        if not self.driver.keep_cache_bytes or self.stream is None:
+            return groups
+        owned = [(group, pending.stream_rows) for group, pending in zip(groups, self.pending.values(), strict=True)]
+        kept = self.stream.keep([row for _, rows in owned for row in rows.values()], self.driver.keep_cache_bytes)
+        return [
+            dataclasses.replace(group, kept=[kept.get(rows[sample]) if sample in rows else None
+                                             for sample in range(len(group.tokens))])
+            for group, rows in owned
+        ]  # fmt: skip
 
     def close(self) -> StreamOutcome:
         """The outcome with the engine's counts: tokens generated by this call, slot-steps, prefilled tokens."""

@@ -151,6 +151,16 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         partial_rollout_max_age (`int` or `None`, *optional*, defaults to `None`):
             Optimizer steps a carried group may age (since it was first admitted) before it is dropped, untrained
             (`dapo/aged_out_groups`); `None`: never, the in-flight cap bounds the age.
+        partial_rollout_keep_cache (`float`, *optional*, defaults to `0.0`):
+            Share of the device's memory (the host's on the CPU) the KV cache of the carried rows may hold through the
+            training step: when a round stops, the rows still decoding keep their KV pages (copied out of the
+            engine's pool, which is freed) up to that many bytes, in the order they were admitted, and the next round
+            continues them from it under the new weights instead of prefilling their prompt and tokens again (their
+            earlier tokens' KV then stays the older weights', as in AReaL's partial rollouts; the per-token rollout
+            logprobs and `rollout_correction` cover the policy mismatch). A row that does not fit, or finds no free
+            slot or pages when it resumes, is prefilled as with `0.0` (off). The training passes run beside the kept
+            cache: leave them room. Checkpoints do not hold it (a resumed run prefills). `dapo/carried_rows_kept_cache`
+            and `dapo/carried_rows_reprefilled` count each way.
         overlong_buffer_len (`int` or `None`, *optional*, defaults to `None`):
             Soft overlong punishment buffer L_cache: completions longer than `max_completion_length -
             overlong_buffer_len` get a penalty growing linearly to `-overlong_penalty_factor` at
@@ -289,6 +299,10 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     )
     partial_rollout_max_age: int | None = field(
         default=None, metadata={"help": "Partial rollouts: oldest carried group, in optimizer steps; None = no limit."}
+    )
+    partial_rollout_keep_cache: float = field(
+        default=0.0,
+        metadata={"help": "Partial rollouts: share of device memory carried rows' KV keeps through a step; 0: off."},
     )
     overlong_buffer_len: int | None = field(
         default=None, metadata={"help": "Soft overlong punishment buffer; None = a fifth of max_completion_length."}
@@ -565,7 +579,11 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             self.partial_rollouts = True
         if not self.partial_rollouts:
             self._refuse_unless_default(
-                {"partial_rollout_max_in_flight": DEFAULT_MAX_IN_FLIGHT, "partial_rollout_max_age": None},
+                {
+                    "partial_rollout_max_in_flight": DEFAULT_MAX_IN_FLIGHT,
+                    "partial_rollout_max_age": None,
+                    "partial_rollout_keep_cache": 0.0,
+                },
                 "it acts with partial_rollouts=True only: set that, or leave this at its default.",
             )
             return

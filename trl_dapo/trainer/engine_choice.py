@@ -160,6 +160,12 @@ def select_rollout_engine(set_up: EngineSetUp) -> PagedRolloutEngine | None:
     )
 
 
+def keep_cache_bytes(args, engine: PagedRolloutEngine) -> int:
+    """The bytes of KV the carried rows may keep through the training step (`partial_rollout_keep_cache` of the
+    device's memory; 0: off), on this rank: each rank's engine keeps its own rows'."""
+    return int(args.partial_rollout_keep_cache * engine.memory_bytes())
+
+
 class EngineWeights:
     """The paged engine's weights, refreshed from the training model once per optimizer step at most (the weights
     change once per step): rounds and the stream both generate with it."""

@@ -138,6 +138,9 @@ FIELD_RULES: dict[str, Rule] = {
         hint="generation batches' worth of groups in flight, e.g. 3.0; at 1 nothing would ever be carried",
     ),
     "partial_rollout_max_age": _count(0, optional=True, hint="a number of optimizer steps"),
+    "partial_rollout_keep_cache": _number(
+        0, 1, high_open=True, hint="a share of the device's memory, e.g. 0.05; 0 prefills carried rows again"
+    ),
     "overlong_buffer_len": _count(0, optional=True, hint="0 turns it off"),
     "overlong_penalty_factor": _number(0, hint="DAPO: 1.0"),
     "rollout_memory_fraction": _number(0, 1, low_open=True, hint="a share of the device's memory, e.g. 0.85"),

@@ -27,7 +27,13 @@ from ..sampling import DynamicSamplingBuffer, GenerationStats, SamplingStats
 from ..sampling.carried import CarriedGroups
 from ..sampling.partial_round import PartialRound, delivery_order, in_flight_cap
 from .collect import CandidateRounds, Collected, Collector, sum_over_ranks
-from .engine_choice import EngineWeights, check_paged_engine_settings, paged_engine_needed, token_sampling
+from .engine_choice import (
+    EngineWeights,
+    check_paged_engine_settings,
+    keep_cache_bytes,
+    paged_engine_needed,
+    token_sampling,
+)
 from .round import Round, StreamedRows, TRLRounds
 from .streamed import padded, prompt_token_ids
 
@@ -83,6 +89,7 @@ class PartialRoundRunner:
             rank=rank,
             slots=engine.max_rows,
             step=step,
+            keep_cache_bytes=keep_cache_bytes(self.args, engine),
         )
         cap = in_flight_cap(self.args.partial_rollout_max_in_flight, self.batch_groups, target)
         outcome = driver.run(target, cap, young, len(first_rows), self.carried.next_serial)

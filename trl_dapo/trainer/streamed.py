@@ -36,7 +36,13 @@ from ..sampling.partial_round import in_flight_cap
 from ..sampling.stream import GroupStream, StreamedGroup, StreamOutcome
 from ..sampling.stream_state import StreamState
 from .collect import Collected, Collector, sum_over_ranks
-from .engine_choice import EngineWeights, check_paged_engine_settings, paged_engine_needed, token_sampling
+from .engine_choice import (
+    EngineWeights,
+    check_paged_engine_settings,
+    keep_cache_bytes,
+    paged_engine_needed,
+    token_sampling,
+)
 from .round import StreamedRows, TRLRounds
 from .scoring import GroupScorer
 
@@ -146,6 +152,7 @@ class StreamedGroups(Collector):
             prior=(buffer.qualified_weight, buffer.generated_weight),
             fill_rows=engine.max_rows if args.partial_rollouts else 0,
             step=step,
+            keep_cache_bytes=keep_cache_bytes(args, engine),
         )
         budget, max_in_flight = self._admission_limits(missing)
         carried, aged = self.state.carried.resume(step)
