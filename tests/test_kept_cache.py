@@ -4,6 +4,7 @@ again. Under unchanged weights a greedy row so continued ends exactly as a row n
 continues from KV the older weights wrote, as a hand-built transformers cache does; rows the byte budget, the slots or
 the pool leave out are prefilled, and the counts say which. Then the trainer on the CPU's paged engine."""
 
+import dataclasses
 import os
 import weakref
 
@@ -13,7 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import SAMPLED, partial_trainer, record_batches, rows_of
 from trl_dapo.rollout import TokenSampling
+from trl_dapo.rollout.kept import pool_room
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
+from trl_dapo.sampling.carried import CarriedGroups
+from trl_dapo.sampling.stream import CarriedGroup
 from trl_dapo.trainer.engine_choice import token_sampling
 from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE
 
@@ -79,6 +83,7 @@ def test_a_row_continued_from_its_kept_cache_ends_as_a_row_never_cut(tiny_model,
     own_pages = sum(len(row.pages) for row in kept.values())
     shared = {row.cache for row in kept.values()}
     assert len(shared) == 1 and left.kept_cache_bytes == shared.pop().pages * page_bytes < own_pages * page_bytes
+    assert engine.kept.bytes == left.kept_cache_bytes  # held until adopted: a new stream's pool counts it as its own
     completions, logprobs, stats = resume(engine, batch, partial, kept, fresh)
     assert completions == uncut.completions
     torch.testing.assert_close(logprobs, uncut.logprobs, atol=1e-6, rtol=1e-6)
@@ -88,6 +93,40 @@ def test_a_row_continued_from_its_kept_cache_ends_as_a_row_never_cut(tiny_model,
     cache = weakref.ref(kept[0].cache)
     kept.clear()
     assert cache() is None  # the stream copied it into its pool and holds no reference: freed once the rows let go
+    assert engine.kept.bytes == 0
+
+
+def test_a_stream_pool_leaves_room_for_what_it_keeps_less_the_kept_caches_it_adopts():
+    """Bytes of a pool: the budget left (kept caches alive excluded), less the keep room not already held by the
+    caches alive, which the stream adopts and frees: pool + caches stay within the budget, and after adoption the
+    room is free for the stream's own keep."""
+    assert pool_room(100, kept_bytes=0, keep_room=0) == 100
+    assert pool_room(100, kept_bytes=0, keep_room=30) == 70
+    assert pool_room(100, kept_bytes=20, keep_room=30) == 90  # 20 of the 30 held now, freed at adoption
+    assert pool_room(100, kept_bytes=30, keep_room=30) == 100
+
+
+def test_a_carried_group_too_old_to_resume_lets_its_kept_cache_go(tiny_model, tokenizer):
+    """A group dropped by `partial_rollout_max_age` holds no kept KV: the cache every row of one keep shares would
+    otherwise stay allocated through the next stream and training step. A young group keeps its own."""
+    engine = engine_for(fresh_model(tiny_model), tokenizer)
+    batch = group_prompts(tokenizer)
+    partial, kept, _ = cut(engine, batch, max_bytes=1 << 30)
+    groups = CarriedGroups(max_age=2)
+    for birth, rows in ((0, (0, 1)), (3, (2, 3))):
+        group = CarriedGroup.fresh({"prompt": "p"}, batch[rows[0]], 2)
+        group = dataclasses.replace(
+            group, birth=birth, tokens=[partial[r][0] for r in rows], kept=[kept[r] for r in rows]
+        )
+        groups.carry([group])
+    cache = weakref.ref(kept[0].cache)
+    kept.clear()
+    del group
+    young, aged = groups.resume(step=4)
+    assert [g.birth for g in young] == [3] and [g.birth for g in aged] == [0]
+    assert aged[0].kept is None and all(row is not None for row in young[0].kept)
+    young.clear()
+    assert cache() is None and engine.kept.bytes == 0
 
 
 def hand_built_continuation(old, new, prompt, tokens, eos, length=16):

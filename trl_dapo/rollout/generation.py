@@ -360,6 +360,7 @@ class Generation:
         if not chosen:
             return {}
         cache = KeptCache(self.caches, list(places), page_size, self.engine.device)
+        self.engine.kept.hold(cache)
         self.stats.kept_cache_bytes += cache.nbytes
         rows_kept = [decoding[i] for i in chosen]
         last = self.out_tokens[rows_kept, (scheduler.generated[rows_kept] - 1).tolist()].tolist()

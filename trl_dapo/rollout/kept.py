@@ -18,6 +18,7 @@ Nothing here is saved with checkpoints: a resumed run prefills its carried rows.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -76,3 +77,26 @@ def choose_pages(rows_pages: list[list[int]], budget_pages: int) -> tuple[list[i
             places[page] = len(places)
         chosen.append(index)
     return chosen, places
+
+
+class KeptBytes:
+    """The bytes of the kept caches still alive (each counted until it is freed), which a new stream's pool may count
+    as its own: they are freed once their rows are adopted."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def hold(self, cache: KeptCache) -> None:
+        self.bytes += cache.nbytes
+        weakref.finalize(cache, self._release, cache.nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        self.bytes -= nbytes
+
+
+def pool_room(budget_left: float, kept_bytes: int, keep_room: int) -> float:
+    """Bytes a stream's KV pool may take: what the memory budget leaves (`budget_left`, the kept caches alive
+    excluded), less the room its end keeps for its carried rows' KV (`keep_room`), of which the kept caches alive now
+    (`kept_bytes`, freed once the stream adopts their rows) already hold part: the pool and those caches together stay
+    within the budget, and after adoption `keep_room` is free for the stream's own `keep`."""
+    return budget_left - max(keep_room - kept_bytes, 0)

@@ -45,7 +45,7 @@ from .fp8 import (
     quantize_linears,
 )
 from .generation import DeviceTimer, Generation, GenerationOutput, RolloutStats, on_side_stream, slot_bucket
-from .kept import KeptRow
+from .kept import KeptBytes, KeptRow, pool_room
 from .paged_attention import rms_norm, rotated_heads, triton
 from .token_sampling import TokenSampling, pick_tokens, stop_table
 from .weights import WeightSnapshot, gather_nothing
@@ -100,6 +100,7 @@ class PagedRolloutEngine:
         self.device, self.dtype, self.cuda_graph = self.snapshot.device, dtype, cuda_graph
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
         self.memory_fraction, self.max_rows, self.max_cache_tokens = memory_fraction, max_rows, max_cache_tokens
+        self.kept = KeptBytes()  # the KV this engine's streams kept that is still held (`kept.py`)
         self.page_size, self.sync_every, self.prefill_tokens = page_size, sync_every, prefill_tokens
         self.show_progress = show_progress
         self.num_heads = config.num_attention_heads
@@ -272,14 +273,16 @@ class PagedRolloutEngine:
         prompt_ids: list[list[int]],
         settings: TokenSampling,
         resumed: list[tuple[list[int], torch.Tensor]] | None = None,
+        keep_room: int = 0,
     ) -> RolloutStream:
         """A generation call that takes more prompts while it decodes (streaming dynamic sampling), starting with
-        `prompt_ids` (`resumed`: as in `RolloutStream.add`); its decode slots are `max_rows`."""
+        `prompt_ids` (`resumed`: as in `RolloutStream.add`); its decode slots are `max_rows`. `keep_room`: bytes its
+        pool leaves free for the KV its end keeps (`RolloutStream.keep`, at most that many)."""
         if not prompt_ids or any(len(prompt) == 0 for prompt in prompt_ids):
             raise ValueError("stream needs at least one prompt to start, and no prompt may be empty.")
         if settings.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={settings.max_new_tokens} must be at least 1.")
-        return RolloutStream(self, prompt_ids, settings, resumed)
+        return RolloutStream(self, prompt_ids, settings, resumed, keep_room)
 
     def memory_bytes(self) -> int:
         """The device's memory (the host's for the CPU): what a share such as the kept cache's budget is of."""
@@ -310,20 +313,21 @@ class PagedRolloutEngine:
             wanted = min(wanted, self.max_cache_tokens)
         return self._budget_pages(math.ceil(wanted / self.page_size), len(prompt_ids), max_new_tokens)
 
-    def stream_pages(self, longest_prompt: int, rows: int, max_new_tokens: int) -> int:
+    def stream_pages(self, longest_prompt: int, rows: int, max_new_tokens: int, keep_room: int = 0) -> int:
         """KV pages for a stream: its `max_rows` slots at once with prompts `longest_prompt` tokens long, at most what
-        the budget and `max_cache_tokens` allow for a call with `rows` output rows."""
+        the budget and `max_cache_tokens` allow for a call with `rows` output rows, `keep_room` bytes left free."""
         at_once = self.max_rows * (longest_prompt + max_new_tokens + 2 * self.page_size)
         if self.max_cache_tokens is not None:
             at_once = min(at_once, self.max_cache_tokens)
-        return self._budget_pages(math.ceil(at_once / self.page_size), rows, max_new_tokens)
+        return self._budget_pages(math.ceil(at_once / self.page_size), rows, max_new_tokens, keep_room)
 
-    def _budget_pages(self, pages: int, rows: int, max_new_tokens: int) -> int:
-        """`pages`, at most what the memory budget leaves for the KV cache of a call with `rows` output rows."""
+    def _budget_pages(self, pages: int, rows: int, max_new_tokens: int, keep_room: int = 0) -> int:
+        """`pages`, at most what the memory budget leaves for the KV cache of a call with `rows` output rows, with
+        `keep_room` bytes left free for the KV the call's end keeps (`pool_room`)."""
         if self.device.type == "cuda":
             slots = slot_bucket(min(rows, self.max_rows), self.max_rows)
             outputs = (rows + 1) * max_new_tokens * 8
-            free = self.budget_left() - self._workspace_bytes(slots) - outputs
+            free = pool_room(self.budget_left(), self.kept.bytes, keep_room) - self._workspace_bytes(slots) - outputs
             pages = min(pages, int(free // (self.page_size * self.cache_bytes_per_token())) - 1)
         return pages
 
@@ -386,9 +390,10 @@ class RolloutStream:
         prompt_ids: list[list[int]],
         settings: TokenSampling,
         resumed: list[tuple[list[int], torch.Tensor]] | None = None,
+        keep_room: int = 0,
     ) -> None:
         rows = max(len(prompt_ids), engine.max_rows)  # output rows allocated (grown by `add`); all slots usable
-        pages = engine.stream_pages(max(map(len, prompt_ids)), rows, settings.max_new_tokens)
+        pages = engine.stream_pages(max(map(len, prompt_ids)), rows, settings.max_new_tokens, keep_room)
         self._generation = Generation(engine, prompt_ids, settings, capacity=rows, num_pages=max(pages, 0))
         self._timer = DeviceTimer(engine.device)
         self._open = set(range(len(prompt_ids)))  # rows added and not yet reported as ended

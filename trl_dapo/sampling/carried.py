@@ -40,6 +40,8 @@ class CarriedGroups:
         young, aged = [], []
         for group in self.groups:
             too_old = self.max_age is not None and group.birth >= 0 and step - group.birth > self.max_age
+            if too_old:  # its kept KV is freed now: the cache it shares with the other kept rows outlives none of them
+                group.kept = None
             (aged if too_old else young).append(group)
         self.groups = []
         return young, aged

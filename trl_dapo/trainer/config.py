@@ -158,8 +158,8 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             continues them from it under the new weights instead of prefilling their prompt and tokens again (their
             earlier tokens' KV then stays the older weights', as in AReaL's partial rollouts; the per-token rollout
             logprobs and `rollout_correction` cover the policy mismatch). A row that does not fit, or finds no free
-            slot or pages when it resumes, is prefilled as with `0.0` (off). The training passes run beside the kept
-            cache: leave them room. Checkpoints do not hold it (a resumed run prefills). `dapo/carried_rows_kept_cache`
+            slot or pages when it resumes, is prefilled as with `0.0` (off). Each stream's KV pool leaves that share
+            free for the copy; the training passes run beside the kept cache: leave them room. Checkpoints do not hold it (a resumed run prefills). `dapo/carried_rows_kept_cache`
             and `dapo/carried_rows_reprefilled` count each way.
         overlong_buffer_len (`int` or `None`, *optional*, defaults to `None`):
             Soft overlong punishment buffer L_cache: completions longer than `max_completion_length -

@@ -78,9 +78,10 @@ class PartialRoundRunner:
         rank, world, G = self.accelerator.process_index, self.accelerator.num_processes, self.num_generations
         young, aged = self.carried.resume(step)
         engine, settings = self.engine.current(step), token_sampling(self.args)
+        keep_bytes = keep_cache_bytes(self.args, engine)  # the stream's pool leaves it free for what its end keeps
         order = AdmissionOrder(first_rows, self.prompt_stream)
         driver = PartialRound(
-            start=lambda prompt_ids, resumed: engine.stream(prompt_ids, settings, resumed),
+            start=lambda prompt_ids, resumed: engine.stream(prompt_ids, settings, resumed, keep_bytes),
             draw=order.draw,
             tokenize=lambda row: prompt_token_ids(self.tokenize, row),
             agree=functools.partial(sum_over_ranks, self.accelerator),
@@ -89,7 +90,7 @@ class PartialRoundRunner:
             rank=rank,
             slots=engine.max_rows,
             step=step,
-            keep_cache_bytes=keep_cache_bytes(self.args, engine),
+            keep_cache_bytes=keep_bytes,
         )
         cap = in_flight_cap(self.args.partial_rollout_max_in_flight, self.batch_groups, target)
         outcome = driver.run(target, cap, young, len(first_rows), self.carried.next_serial)

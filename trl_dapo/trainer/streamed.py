@@ -138,8 +138,9 @@ class StreamedGroups(Collector):
         admission budget and the cap on groups in flight; what it leaves in flight is carried to the next."""
         args, buffer, engine = self.args, self.state.buffer, self.engine.current(step)
         settings = token_sampling(args)
+        keep_bytes = keep_cache_bytes(args, engine)  # the stream's pool leaves it free for what its end keeps
         stream = GroupStream(
-            start=lambda prompt_ids, resumed: engine.stream(prompt_ids, settings, resumed),
+            start=lambda prompt_ids, resumed: engine.stream(prompt_ids, settings, resumed, keep_bytes),
             next_prompt=prompts,
             score=self.score,
             agree=functools.partial(sum_over_ranks, self.accelerator),
@@ -152,7 +153,7 @@ class StreamedGroups(Collector):
             prior=(buffer.qualified_weight, buffer.generated_weight),
             fill_rows=engine.max_rows if args.partial_rollouts else 0,
             step=step,
-            keep_cache_bytes=keep_cache_bytes(args, engine),
+            keep_cache_bytes=keep_bytes,
         )
         budget, max_in_flight = self._admission_limits(missing)
         carried, aged = self.state.carried.resume(step)
