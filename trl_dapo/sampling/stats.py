@@ -86,7 +86,7 @@ class GenerationStats:
     resumed_rows: int = 0  # carried rows resumed (after tokens an earlier call sampled)
     kept_cache_rows: int = 0  # of those, continued from their kept KV without a prefill (`rollout/kept.py`)
     kept_cache_tokens: int = 0  # their prompts and earlier tokens, whose prefill the kept KV saved
-    kept_cache_bytes: int = 0  # KV kept for the rows carried on, summed over the rounds (the last held through the training step)
+    kept_cache_bytes: int = 0  # KV kept for rows carried on, summed over rounds (the last held in training)
     carried_groups: int = 0  # groups held for the next round or generation batch (partial rollouts)
     carried_rows: int = 0  # their rows still to decode
     carried_tokens: int = 0  # every token they hold, finished siblings' included
