@@ -336,8 +336,7 @@ class PagedRolloutEngine:
         budget is not applied): what a new KV pool, or a kept copy of one's pages beside it, may take."""
         if self.device.type != "cuda":
             return math.inf
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return self.memory_fraction * total - torch.cuda.memory_allocated(self.device)
+        return self.memory_fraction * self.memory_bytes() - torch.cuda.memory_allocated(self.device)
 
 
 def _compile_with_rows(function, row_arguments: tuple[int, ...]):
