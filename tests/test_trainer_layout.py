@@ -4,8 +4,8 @@ sub-packages under it, and imports that run one way only, read from the code wit
 Between sub-packages an import (a type-only one under `if TYPE_CHECKING:` included) goes only where `MAY_IMPORT`
 allows, never up to the trainer's side, and through the sub-package's `__init__` (its public names), never into one
 of its modules; the sub-packages import each other in no loop. Inside one, modules import each other in no loop
-outside type-only imports. No module of the package is longer than `MAX_LINES`, and `docs/design.md`'s map names
-the sub-packages there are."""
+outside type-only imports. `docs/design.md`'s map names the sub-packages there are (the modules' length:
+`test_file_length.py`)."""
 
 import ast
 import re
@@ -23,7 +23,6 @@ MAY_IMPORT = {
     "training": {"configuration"},
     "safety": {"configuration", "training"},
 }
-MAX_LINES = 450
 
 
 class Import(NamedTuple):
@@ -139,15 +138,6 @@ def module_loops(folder: Path, package: str) -> list[list[str]]:
     return loops({(i.module, i.target) for i in package_imports(folder, package) if not i.type_only})
 
 
-def long_modules(folder: Path, limit: int) -> dict[str, int]:
-    found = {}
-    for path in sorted(folder.rglob("*.py")):
-        lines = len(path.read_text().splitlines())
-        if lines > limit:
-            found[str(path.relative_to(folder))] = lines
-    return found
-
-
 def mapped_sub_packages(design: str) -> set[str]:
     """The folders the map in `docs/design.md` (its first code block) lists under `trainer/`."""
     block = re.search(r"```\n(.*?)```", design, re.DOTALL).group(1)
@@ -172,10 +162,6 @@ def test_imports_between_the_sub_packages_run_one_way():
 
 def test_no_loop_inside_a_sub_package_but_type_only_ones():
     assert module_loops(TRAINER, PACKAGE) == []
-
-
-def test_no_module_of_the_trainer_is_longer_than_the_limit():
-    assert long_modules(TRAINER, MAX_LINES) == {}, f"cut these modules where their parts meet, at most {MAX_LINES}"
 
 
 def test_the_design_map_names_the_sub_packages():
