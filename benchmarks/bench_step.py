@@ -40,7 +40,7 @@ from benchmarks.workload import (
     random_model,
     word_tokenizer,
 )
-from trl_dapo.trainer.config import DEFAULT_MAX_IN_FLIGHT
+from trl_dapo.trainer.configuration.choices import DEFAULT_MAX_IN_FLIGHT
 
 # The trainers a comparison runs, with their DAPOConfig overrides. On CUDA, DAPO generates with its engine; the same
 # DAPO trainer on TRL's generation path does exactly TRL's generation work, so its rest of the step against TRL's is

@@ -25,7 +25,11 @@ import torch.nn.functional as F
 from benchmarks.result_file import ResultFile
 from benchmarks.timing import median_seconds
 from benchmarks.workload import HERE
-from trl_dapo.trainer.packed_attention import flash_varlen_attention, packed_attention, reference_packed_attention
+from trl_dapo.trainer.training.packed_attention import (
+    flash_varlen_attention,
+    packed_attention,
+    reference_packed_attention,
+)
 
 HEADS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128)}
 

@@ -25,8 +25,8 @@ from trl.trainer.utils import add_fused_lm_head
 
 from trl_dapo.rollout import PagedRolloutEngine, TokenSampling
 from trl_dapo.rollout.sharded import FullyShardGather
-from trl_dapo.trainer.packed_attention import enable_packed_attention, forward_packed
-from trl_dapo.trainer.packing import pack_rows, unpack_scores
+from trl_dapo.trainer.training.packed_attention import enable_packed_attention, forward_packed
+from trl_dapo.trainer.training.packing import pack_rows, unpack_scores
 
 PROMPTS = [[5 + (7 * row + 3 * column) % 300 for column in range(3 + row)] for row in range(6)]  # uneven lengths
 SETTINGS = {"greedy": TokenSampling(10, greedy=True), "sampled": TokenSampling(10, temperature=0.9, top_k=50)}

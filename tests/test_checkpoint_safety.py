@@ -15,8 +15,8 @@ from trl.trainer.utils import RepeatSampler
 from helpers import arithmetic_prompts, dapo_args, length_reward
 from trl_dapo import DAPOTrainer
 from trl_dapo.testing import ScriptedRollout
-from trl_dapo.trainer.checkpoint_files import SAMPLING_STATE_FILE
-from trl_dapo.trainer.epoch_order import EpochOrder, set_resumed_epoch
+from trl_dapo.trainer.safety.checkpoint_files import SAMPLING_STATE_FILE
+from trl_dapo.trainer.safety.epoch_order import EpochOrder, set_resumed_epoch
 
 # scripted rows and no dynamic sampling: quick steps, and no extra rounds
 QUICK = dict(max_steps=2, save_strategy="steps", save_steps=1, dynamic_sampling=False)

@@ -10,9 +10,9 @@ from transformers import TrainingArguments
 from trl import GRPOConfig
 
 from trl_dapo import DAPOConfig
-from trl_dapo.trainer import grpo_fields
-from trl_dapo.trainer.field_rules import FIELD_RULES
-from trl_dapo.trainer.grpo_fields import (
+from trl_dapo.trainer.configuration import grpo_fields
+from trl_dapo.trainer.configuration.field_rules import FIELD_RULES
+from trl_dapo.trainer.configuration.grpo_fields import (
     GENERIC_REASON,
     HONOURED_FIELDS,
     REASONS,

@@ -35,7 +35,7 @@ from trl_dapo.rollout.paged_attention import reference_attention, reference_deco
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
 from trl_dapo.rollout.weights import gather_nothing
 from trl_dapo.testing import paged_decode_case
-from trl_dapo.trainer.engine_choice import EngineSetUp, select_rollout_engine
+from trl_dapo.trainer.collection.engine_choice import EngineSetUp, select_rollout_engine
 from trl_dapo.trainer.set_up import check_set_up
 
 # e4m3: 3 mantissa bits, so round-to-nearest is within a relative 2^-4 of a value in the normal range (|x| / scale

@@ -20,8 +20,8 @@ from trl.chat_template_utils import qwen2_5_chat_template
 
 from trl_dapo import DAPOConfig, DAPOTrainer
 from trl_dapo.tiny_model import build_tiny_model, build_tiny_tokenizer
-from trl_dapo.trainer.micro_batches import MicroBatch
-from trl_dapo.trainer.step_metrics import StepMetrics
+from trl_dapo.trainer.training.micro_batches import MicroBatch
+from trl_dapo.trainer.training.step_metrics import StepMetrics
 
 PROMPTS = ["Beautiful is better than", "Explicit is", "Simple is better", "Complex", "Flat is better than", "Sparse"]
 
@@ -366,7 +366,7 @@ def recording(trainer_class: type[GRPOTrainer], calls: list[str]) -> type[GRPOTr
 
 @pytest.mark.parametrize("tools", [False, True], ids=["plain", "tool-call"])
 def test_trls_round_generates_then_scores_once(tmp_path, tools):
-    """What DAPOTrainer's round context relies on in TRL 1.16 (`trainer/round.py`): one call of
+    """What DAPOTrainer's round context relies on in TRL 1.16 (`trainer/collection/round.py`): one call of
     `_generate_and_score_completions` calls `_generate_single_turn` once, again for each tool-calling turn, then
     `_calculate_rewards` once. Recorded on TRL's own trainer."""
     calls = []

@@ -18,7 +18,7 @@ from trl_dapo.rollout.kept import pool_room
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
 from trl_dapo.sampling.carried import CarriedGroups
 from trl_dapo.sampling.stream import CarriedGroup
-from trl_dapo.trainer.engine_choice import token_sampling
+from trl_dapo.trainer.collection.engine_choice import token_sampling
 from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE
 
 GREEDY = TokenSampling(16, greedy=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trl_dapo import dapo_policy_loss
-from trl_dapo.trainer.mismatch import mismatch_metrics, rollout_correction
+from trl_dapo.trainer.training.mismatch import mismatch_metrics, rollout_correction
 
 # Rollout ratios ρ = π_old / π_rollout per token; row 1 has two padded tokens, row 2 one. Geometric means per
 # sequence: row 0 (3 · 1.5 · 0.25 · 1)^(1/4) = 1.125^(1/4), row 1 (0.4 · 0.1)^(1/2) = 0.2, row 2 4. (Their products,

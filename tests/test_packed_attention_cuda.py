@@ -8,13 +8,13 @@ from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
 from trl_dapo.tiny_model import build_tiny_model
-from trl_dapo.trainer.packed_attention import (
+from trl_dapo.trainer.training.packed_attention import (
     enable_packed_attention,
     forward_packed,
     packed_attention,
     reference_packed_attention,
 )
-from trl_dapo.trainer.packing import pack_rows, unpack_scores
+from trl_dapo.trainer.training.packing import pack_rows, unpack_scores
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -84,7 +84,7 @@ def test_rows_of_one_length_take_the_dense_path_and_match_the_reference():
 def test_float32_weights_under_bf16_autocast_reach_the_flash_kernel(tmp_path, monkeypatch):
     """Rotary embeddings upcast q and k to float32 when the weights are float32: the dispatcher casts them to
     autocast's precision, so the packed call runs the flash kernel rather than one SDPA call per row."""
-    import trl_dapo.trainer.packed_attention as packed_module
+    import trl_dapo.trainer.training.packed_attention as packed_module
 
     calls = []
     kernel = packed_module.flash_varlen_attention

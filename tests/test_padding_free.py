@@ -11,8 +11,8 @@ from trl.trainer.utils import add_fused_lm_head
 from helpers import arithmetic_prompts, dapo_args, length_reward
 from trl_dapo import DAPOTrainer
 from trl_dapo.testing import ScriptedRollout
-from trl_dapo.trainer.micro_batches import deal_by_tokens, plan_step
-from trl_dapo.trainer.packed_attention import (
+from trl_dapo.trainer.training.micro_batches import deal_by_tokens, plan_step
+from trl_dapo.trainer.training.packed_attention import (
     PACKABLE_MODEL_TYPES,
     enable_packed_attention,
     forward_packed,
@@ -20,7 +20,7 @@ from trl_dapo.trainer.packed_attention import (
     reference_packed_attention,
     why_model_cannot_pack,
 )
-from trl_dapo.trainer.packing import IGNORED_LABEL, pack_rows, unpack_scores
+from trl_dapo.trainer.training.packing import IGNORED_LABEL, pack_rows, unpack_scores
 
 P = 0  # pad id
 
@@ -273,7 +273,7 @@ def test_a_token_cap_the_padded_passes_cannot_use_is_a_warning_naming_it(tiny_mo
             train_dataset=arithmetic_prompts(8),
         )  # fmt: skip
     assert not trainer.padding_free
-    records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "trl_dapo.trainer.passes"]
+    records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "trl_dapo.trainer.training.passes"]
     assert records == [
         (
             "WARNING",

@@ -31,7 +31,7 @@ from trl_dapo.rollout.architectures.llama import LlamaArchitecture
 from trl_dapo.rollout.architectures.qwen3 import Qwen3Architecture
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
 from trl_dapo.tiny_model import build_tiny_model
-from trl_dapo.trainer.engine_choice import select_rollout_engine
+from trl_dapo.trainer.collection.engine_choice import select_rollout_engine
 from trl_dapo.trainer.trl_view import engine_set_up
 
 
@@ -724,7 +724,7 @@ def test_a_model_option_the_engine_refuses_falls_back_or_is_refused_at_set_up(
     )
     trainer.args.rollout_engine = "auto"
     monkeypatch.setattr(type(trainer.accelerator), "device", property(lambda accelerator: torch.device("cuda")))
-    with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.engine_choice"):
+    with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.collection.engine_choice"):
         assert select_rollout_engine(engine_set_up(trainer)) is None
     assert caplog.messages == [f"rollout_engine='auto' falls back to TRL's generation path: {reason}."]
     monkeypatch.undo()
@@ -760,12 +760,12 @@ def test_an_unsupported_set_up_falls_back_to_trls_path_and_logs_why(unsupported_
     )
     assert trainer.paged_engine is None
     trainer.args.rollout_engine = "auto"
-    with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.engine_choice"):
+    with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.collection.engine_choice"):
         assert select_rollout_engine(engine_set_up(trainer)) is None
     assert caplog.messages == ["rollout_engine='auto': no CUDA device, using TRL's generation path."]
     caplog.clear()
     monkeypatch.setattr(type(trainer.accelerator), "device", property(lambda accelerator: torch.device("cuda")))
-    with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.engine_choice"):
+    with caplog.at_level(logging.INFO, logger="trl_dapo.trainer.collection.engine_choice"):
         assert select_rollout_engine(engine_set_up(trainer)) is None
     reason = (
         "model type 'qwen3_moe' is not supported (the rollout engine serves ('llama', 'mistral', 'qwen2', 'qwen3'))"

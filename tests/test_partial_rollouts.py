@@ -25,7 +25,7 @@ from trl_dapo.sampling import filter_groups
 from trl_dapo.sampling.carried import CarriedGroups
 from trl_dapo.sampling.partial_round import PartialRound, delivery_order
 from trl_dapo.sampling.stream import CarriedGroup, GroupStream, sampling_steps
-from trl_dapo.trainer.engine_choice import token_sampling
+from trl_dapo.trainer.collection.engine_choice import token_sampling
 from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE
 
 

@@ -52,8 +52,10 @@ def test_the_logging_advice_shows_info_lines_once(tiny_model, tmp_path):
     script = LOGGING_SCRIPT.format(tests=str(TESTS), model=tiny_model, advice=advice, output=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    padded = "trl_dapo.trainer.passes:Training passes are padded: padding_free=None packs where flash attention runs"
-    path = "trl_dapo.trainer.engine_choice:rollout_engine='auto': no CUDA device, using TRL's generation path."
+    padded = "trl_dapo.trainer.training.passes:Training passes are padded: padding_free=None packs where flash attention runs"
+    path = (
+        "trl_dapo.trainer.collection.engine_choice:rollout_engine='auto': no CUDA device, using TRL's generation path."
+    )
     assert run.stderr.count(f"INFO:{padded}") == 1 and run.stderr.count(f"INFO:{path}") == 1
     configured = run.stdout.splitlines()
     assert sum(line.startswith(f"configured INFO {padded.replace(':', ': ', 1)}") for line in configured) == 1

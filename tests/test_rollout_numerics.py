@@ -13,7 +13,7 @@ from helpers import dapo_args
 from trl_dapo.rollout import TokenSampling
 from trl_dapo.rollout.token_sampling import chunked_argmax, chunked_logsumexp, pick_tokens, stop_table, truncate
 from trl_dapo.rollout.weights import linear_weight
-from trl_dapo.trainer.engine_choice import token_sampling
+from trl_dapo.trainer.collection.engine_choice import token_sampling
 
 
 def test_fp32_logits_are_the_unrounded_products_and_follow_the_training_head(tmp_path):

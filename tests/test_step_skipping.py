@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerState
 from helpers import Snapshots, arithmetic_prompts, dapo_args, length_reward
 from trl_dapo import DAPOTrainer
 from trl_dapo.testing import ScriptedRollout
-from trl_dapo.trainer.finite_steps import FiniteSteps
+from trl_dapo.trainer.safety.finite_steps import FiniteSteps
 
 
 class NeverEnds(ScriptedRollout):

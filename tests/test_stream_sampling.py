@@ -12,7 +12,7 @@ from trl_dapo import DAPOTrainer
 from trl_dapo.sampling import DynamicSamplingLimitError, filter_groups
 from trl_dapo.sampling.stream import GroupStream
 from trl_dapo.tiny_model import build_tiny_tokenizer
-from trl_dapo.trainer.scoring import FilterMetric, GroupScorer
+from trl_dapo.trainer.collection.scoring import FilterMetric, GroupScorer
 
 PROMPTS = 40
 TARGET_GROUPS = 4  # per_device_train_batch_size 8 x gradient_accumulation_steps 2 / num_generations 4

@@ -28,14 +28,14 @@ from trl_dapo.rewards import soft_overlong_penalty
 from trl_dapo.rollout_batch import OLD_LOGPROBS_STEP
 from trl_dapo.sampling import DynamicSamplingLimitError, GenerationStats
 from trl_dapo.testing import ScriptedRollout
-from trl_dapo.trainer.batch_metrics import trained_batch_metric_names
-from trl_dapo.trainer.checkpoint_files import GENERATION_BATCH_FILE
-from trl_dapo.trainer.collect import RoundProgress
-from trl_dapo.trainer.micro_batches import MicroBatch
-from trl_dapo.trainer.round import RoundContext, RoundScores
+from trl_dapo.trainer.collection.collect import RoundProgress
+from trl_dapo.trainer.collection.round import RoundContext, RoundScores
+from trl_dapo.trainer.safety.checkpoint_files import GENERATION_BATCH_FILE
 from trl_dapo.trainer.set_up import check_datasets
-from trl_dapo.trainer.step_metrics import StepMetrics
 from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE
+from trl_dapo.trainer.training.batch_metrics import trained_batch_metric_names
+from trl_dapo.trainer.training.micro_batches import MicroBatch
+from trl_dapo.trainer.training.step_metrics import StepMetrics
 
 DAPO_METRICS = [
     "clip_ratio/low_mean",

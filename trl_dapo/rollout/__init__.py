@@ -1,5 +1,5 @@
 """The paged rollout engine: continuous batching over a paged KV cache, with CUDA graphs and a Triton decode kernel.
-Which generation path a trainer uses is the trainer's choice (`trl_dapo/trainer/engine_choice.py`)."""
+Which generation path a trainer uses is the trainer's choice (`trl_dapo/trainer/collection/engine_choice.py`)."""
 
 from __future__ import annotations
 

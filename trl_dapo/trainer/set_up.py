@@ -3,9 +3,9 @@ datasets.
 
 `DAPOTrainer.__init__` runs `check_set_up` before TRL loads any model, and a script that builds or warm-starts its
 model itself (the math recipe) calls it before doing so: a typo costs seconds, not a model load. What a collection
-strategy needs is its own `check` (`collect.py`), called from here. Where the trainer resolves what these functions
-check, with what only the built trainer knows (reward functions an environment adds, whether the rollout engine serves
-the model), it checks again.
+strategy needs is its own `check` (`collection/collect.py`), called from here; it sits beside `trainer.py` because it
+checks what every sub-package needs. Where the trainer resolves what these functions check, with what only the built
+trainer knows (reward functions an environment adds, whether the rollout engine serves the model), it checks again.
 """
 
 from __future__ import annotations
@@ -22,12 +22,8 @@ from trl.trainer.utils import get_callable_name, get_config_model_id
 
 from ..rewards.overlong import OVERLONG_REWARD_NAME
 from ..text import plural
-from .collect import CandidateRounds, Collector, OneRound
-from .config import DAPOConfig
-from .engine_choice import check_rollout_precision, unusable_engine, why_settings_rule_out_engine
-from .partial import PartialCandidateRounds, PartialRounds
-from .prompts import check_dataset_prompts
-from .streamed import StreamedGroups
+from .collection import check_rollout_precision, collection_strategy, unusable_engine, why_settings_rule_out_engine
+from .configuration import DAPOConfig, check_dataset_prompts
 
 
 def reward_function_names(reward_funcs: Any, args: DAPOConfig) -> list[str]:
@@ -57,15 +53,6 @@ def filter_column(metric: str | None, names: Sequence[str]) -> int | None:
             "None to filter on the first."
         )
     return list(names).index(metric)
-
-
-def collection_strategy(args: DAPOConfig) -> type[Collector]:
-    """The collector `dynamic_sampling`, `dynamic_sampling_mode` and `partial_rollouts` ask for (`collect.py`)."""
-    if not args.dynamic_sampling:
-        return PartialRounds if args.partial_rollouts else OneRound
-    if args.dynamic_sampling_mode == "rounds":
-        return PartialCandidateRounds if args.partial_rollouts else CandidateRounds
-    return StreamedGroups  # which carries the rows in flight itself with partial rollouts
 
 
 def check_datasets(

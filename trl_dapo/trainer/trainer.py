@@ -42,25 +42,29 @@ from ..models import ensure_float32_rotary
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
 from ..rollout_batch import SAMPLING_STEP, RolloutBatch, num_rows
 from ..sampling import DynamicSamplingBuffer, GenerationStats, filter_groups, make_prompt_stream
-from .batch_metrics import append_metrics, rollout_metrics, trained_batch_metric_names, trained_batch_metrics
-from .checkpoint_files import (
+from .collection import EngineWeights, FilterMetric, TRLRounds, round_scores, select_rollout_engine, token_sampling
+from .configuration import DAPOConfig, check_batch_prompts, check_prompt_ids, prompt_token_limit
+from .safety import (
     SAMPLING_STATE_FILE,
+    EpochOrder,
+    FiniteSteps,
     load_checkpoint_file,
     load_generation_batch,
     newest_complete_checkpoint,
     save_checkpoint_file,
     save_generation_batch,
+    set_resumed_epoch,
 )
-from .config import DAPOConfig
-from .engine_choice import EngineWeights, select_rollout_engine, token_sampling
-from .epoch_order import EpochOrder, set_resumed_epoch
-from .finite_steps import FiniteSteps
-from .micro_batches import MicroBatch
-from .passes import TrainingPasses, set_up_padding_free
-from .prompts import check_batch_prompts, check_prompt_ids, prompt_token_limit
-from .round import TRLRounds, round_scores
-from .scoring import FilterMetric
 from .set_up import check_set_up, filter_column
+from .training import (
+    MicroBatch,
+    TrainingPasses,
+    append_metrics,
+    rollout_metrics,
+    set_up_padding_free,
+    trained_batch_metric_names,
+    trained_batch_metrics,
+)
 from .trl_view import collector, engine_set_up, view_of
 
 logger = logging.getLogger(__name__)

@@ -2,56 +2,34 @@
 
 TRL changes its private attributes and methods between minor versions. Besides `trainer.py` (the hooks TRL calls),
 this is the one module that reads them (`tests/test_trl_boundary.py` keeps it so, and lists the names read): the
-training passes and the rounds take a `TRLView`, the engine choice an `EngineSetUp`, the collectors and the stream's
-scorer their values, so each can be built and tested without a trainer, and a TRL upgrade is audited in these two
-files.
+training passes and the rounds take a `TRLView` (defined below them, in `configuration/view.py`), the engine choice
+an `EngineSetUp`, the collectors and the stream's scorer their values, so each can be built and tested without a
+trainer, and a TRL upgrade is audited in these two files.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
-import torch
-from accelerate import Accelerator
-from transformers import TrainerState
 from trl import GRPOTrainer
 
 from ..models import base_model
 from ..rollout.sharded import parameter_gather
-from .collect import CandidateRounds, Collector, OneRound
-from .engine_choice import EngineSetUp
-from .partial import PartialCandidateRounds, PartialRoundRunner, PartialRounds
-from .round import TRLRounds
-from .scoring import FilterMetric, GroupScorer
-from .set_up import collection_strategy
-from .streamed import StreamedGroups
-
-
-@dataclass(frozen=True)
-class TRLView:
-    """What the training passes and the rounds read of the trainer. Callables where the Trainer replaces the object
-    while it runs (it wraps the model and rebuilds its state when training starts)."""
-
-    args: Any  # the DAPOConfig
-    accelerator: Accelerator
-    num_generations: int
-    pad_token_id: int  # TRL's tokenizer's (`_tokenizer`: the processing class's own tokenizer)
-    metrics: dict[str, dict[str, list[float]]]  # TRL's `_metrics`: per mode, the values its next `log` averages
-    model: Callable[[], torch.nn.Module]  # the training module (not a DDP or DeepSpeed wrapper)
-    base_model: Callable[[], torch.nn.Module]  # the transformers model: no DDP, DeepSpeed or PEFT wrapper
-    state: Callable[[], TrainerState]
-    generate_and_score: Callable[[list[dict[str, Any]]], dict[str, Any]]  # TRL's `_generate_and_score_completions`
-    padded_logprobs: Callable[..., tuple]  # GRPOTrainer's own `_get_per_token_logps_and_entropies`, not the override
-    is_vlm: bool  # TRL's `_is_vlm`
-    # the Trainer's own deferral of gradient reduction, for a model transformers sharded with FSDP at load; else None
-    defer_fsdp_reduction: Callable[[], Any] | None
-
-    def step(self) -> int:
-        """Optimizer steps taken: the weights in force are those after this many updates."""
-        return self.state().global_step
+from .collection import (
+    CandidateRounds,
+    Collector,
+    EngineSetUp,
+    FilterMetric,
+    GroupScorer,
+    OneRound,
+    PartialCandidateRounds,
+    PartialRoundRunner,
+    PartialRounds,
+    StreamedGroups,
+    TRLRounds,
+    collection_strategy,
+)
+from .configuration import TRLView
 
 
 def view_of(trainer: GRPOTrainer) -> TRLView:

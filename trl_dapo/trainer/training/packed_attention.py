@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..models import sliding_window
+from ...models import sliding_window
 from .packing import PackedRows
 
 PACKED_PREFIX = "trl_dapo_packed_"

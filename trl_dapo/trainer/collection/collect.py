@@ -27,9 +27,9 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from ..rollout_batch import RolloutBatch
-from ..sampling import DynamicSamplingBuffer, GenerationStats, SamplingStats
-from ..sampling.carried import CarriedGroups
+from ...rollout_batch import RolloutBatch
+from ...sampling import DynamicSamplingBuffer, GenerationStats, SamplingStats
+from ...sampling.carried import CarriedGroups
 from .round import Round, TRLRounds
 
 logger = logging.getLogger(__name__)

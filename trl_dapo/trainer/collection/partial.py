@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from ..sampling import DynamicSamplingBuffer, GenerationStats, SamplingStats
-from ..sampling.carried import CarriedGroups
-from ..sampling.partial_round import PartialRound, delivery_order, in_flight_cap
+from ...sampling import DynamicSamplingBuffer, GenerationStats, SamplingStats
+from ...sampling.carried import CarriedGroups
+from ...sampling.partial_round import PartialRound, delivery_order, in_flight_cap
 from .collect import CandidateRounds, Collected, Collector, sum_over_ranks
 from .engine_choice import (
     EngineWeights,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..rollout_batch import RolloutBatch, select_rows, trim_padding
+from ...rollout_batch import RolloutBatch, select_rows, trim_padding
 from .step_metrics import StepMetrics
 
 # [micro_batch][pass] -> row indices, for one rank

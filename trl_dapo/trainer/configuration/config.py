@@ -3,47 +3,29 @@
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 
-from transformers import TrainingArguments
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 from trl import GRPOConfig
 
+from .batch_sizes import GenerationBatchCheck, check_batch_unchanged, check_steps_per_generation, check_whole_groups
+from .choices import (
+    DEFAULT_CORRECTION_MAX,
+    DEFAULT_MAX_IN_FLIGHT,
+    IN_FLIGHT_CHOICES,
+    OLD_LOGPROBS_CHOICES,
+    ON_LIMIT_CHOICES,
+    ROLLOUT_ENGINES,
+    ROLLOUT_PRECISIONS,
+    SAMPLING_MODES,
+    check_choices,
+)
 from .field_rules import check_field_rules, invalid_value
-from .grpo_fields import unhonoured_settings
-from .mismatch import CORRECTION_MODES
-
-ON_LIMIT_CHOICES = ("raise", "train_on_partial")
-ROLLOUT_ENGINES = ("auto", "paged", "trl")
-OLD_LOGPROBS_CHOICES = ("rollout", "recompute")
-ROLLOUT_PRECISIONS = ("bf16", "fp8")
-SAMPLING_MODES = ("rounds", "stream")
-IN_FLIGHT_CHOICES = ("finish", "drop", "carry")
-DEFAULT_CORRECTION_MAX = 2.0
-DEFAULT_MAX_IN_FLIGHT = 3.0
-
-
-def _joined(counts: list[int]) -> str:
-    """1, 2 or 4."""
-    names = [str(count) for count in counts]
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+from .grpo_fields import reject_unhonoured_settings
 
 
 @dataclass
-class _GenerationBatchCheck(TrainingArguments):
-    """Runs between `TrainingArguments.__post_init__` (which sets up the processes, so the world size is known) and
-    the rest of `GRPOConfig.__post_init__` (which derives `generation_batch_size` and, when it holds no whole number
-    of groups, raises an error naming neither field to change). In `DAPOConfig`'s method resolution order this class
-    sits between `GRPOConfig` and `TrainingArguments`, so GRPOConfig's `super().__post_init__()` lands here."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check_whole_groups()
-
-
-@dataclass
-class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
+class DAPOConfig(GRPOConfig, GenerationBatchCheck):
     r"""
     Configuration for [`DAPOTrainer`]. Every [`~trl.GRPOConfig`] field is accepted; the ones below are added or take
     the DAPO paper's (arXiv 2503.14476) values instead of TRL's.
@@ -377,17 +359,8 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
             if getattr(self, name) == derived:
                 setattr(config, name, None)
         config._check_dapo_fields()
-        rows = config.per_device_train_batch_size * config.world_size * config.steps_per_generation
-        if config.generation_batch_size != rows:
-            raise invalid_value(
-                "generation_batch_size",
-                config.generation_batch_size,
-                f"TRL derived it when the config was built, and per_device_train_batch_size "
-                f"({config.per_device_train_batch_size}) x processes ({config.world_size}) x steps_per_generation "
-                f"({config.steps_per_generation}) = {rows} now: a batch field changed since. Build a new DAPOConfig "
-                "with the batch sizes you want.",
-            )
-        config._check_whole_groups()
+        check_batch_unchanged(config)
+        check_whole_groups(config)
         config._check_and_derive_after_trl()
         return config
 
@@ -398,18 +371,14 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
     def _check_dapo_fields(self) -> None:
         """What is checked before TRL's and transformers' own `__post_init__` compares any value."""
         check_field_rules(self)  # types and ranges first: every later check, TRL's included, compares values
-        self._reject_unhonoured_fields()
-        self._validate_dapo_fields()
+        reject_unhonoured_settings(self)
+        if self.epsilon_high is None:
+            self._derive("epsilon_high", self.epsilon)
+        check_choices(self)  # `choices.py`
 
     def _check_and_derive_after_trl(self) -> None:
         """What needs TRL's derived batch fields (`steps_per_generation`)."""
-        if self.steps_per_generation % self.gradient_accumulation_steps != 0:
-            raise invalid_value(
-                "steps_per_generation",
-                self.steps_per_generation,
-                f"it must be a multiple of gradient_accumulation_steps ({self.gradient_accumulation_steps}) so every "
-                "optimizer step draws its micro-batches from one generation batch and its token count is known.",
-            )
+        check_steps_per_generation(self)
         if self.max_surplus_age is None:
             age = self.steps_per_generation // self.gradient_accumulation_steps * self.num_iterations
             self._derive("max_surplus_age", age)
@@ -421,259 +390,3 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
                 self.overlong_buffer_len,
                 f"use 0 (off) or a value below max_completion_length ({self.max_completion_length}).",
             )
-
-    def _reject_unhonoured_fields(self) -> None:
-        """A GRPOConfig field DAPOTrainer does not honour, set away from its default, would be silently ignored."""
-        for name, value, default, reason in unhonoured_settings(self):
-            raise invalid_value(name, value, f"{reason}; leave it at its default {default!r}.")
-
-    def _check_whole_groups(self) -> None:
-        """Each generation batch (and each evaluation batch) must hold whole groups of `num_generations`: say which
-        field to change, with values that work on this number of processes."""
-        groups, world = self.num_generations, self.world_size
-        step_rows = self.per_device_train_batch_size * world
-        if self.generation_batch_size is not None and self.steps_per_generation is None:
-            if self.generation_batch_size % groups:
-                raise invalid_value(
-                    "generation_batch_size",
-                    self.generation_batch_size,
-                    f"use a multiple of num_generations ({groups}).",
-                )
-            self._check_optimizer_steps_fit()
-        else:
-            steps = self.steps_per_generation or self.gradient_accumulation_steps
-            if step_rows * steps % groups:
-                rows_multiple = groups // math.gcd(groups, world * steps)
-                steps_multiple = math.lcm(self.gradient_accumulation_steps, groups // math.gcd(groups, step_rows))
-                raise invalid_value(
-                    "per_device_train_batch_size",
-                    self.per_device_train_batch_size,
-                    f"a generation batch holds per_device_train_batch_size ({self.per_device_train_batch_size}) x "
-                    f"processes ({world}) x steps_per_generation ({steps}) = {step_rows * steps} completions, not "
-                    f"whole groups of num_generations={groups}. Set per_device_train_batch_size to a multiple of "
-                    f"{rows_multiple} (the default 16 always works with num_generations=16), or steps_per_generation "
-                    f"to a multiple of {steps_multiple}, or num_generations to a divisor of {step_rows * steps}.",
-                )
-        eval_groups = self.num_generations_eval or groups
-        eval_rows = self.per_device_eval_batch_size * world
-        if self.do_eval and self.eval_strategy != "no" and eval_rows % eval_groups:
-            raise invalid_value(
-                "per_device_eval_batch_size",
-                self.per_device_eval_batch_size,
-                f"an evaluation batch holds per_device_eval_batch_size x processes ({world}) = {eval_rows} "
-                f"completions, not whole groups of {eval_groups} (num_generations_eval, else num_generations); use a "
-                f"multiple of {eval_groups // math.gcd(eval_groups, world)}.",
-            )
-
-    def _check_optimizer_steps_fit(self) -> None:
-        """A generation batch given in completions must split into whole optimizer steps on this number of processes
-        (TRL's own error names neither the field to change nor the process counts that work)."""
-        rows, world = self.generation_batch_size, self.world_size
-        per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps
-        if rows % (per_step * world) == 0:
-            return
-        fixes = [
-            f"generation_batch_size to a multiple of {math.lcm(per_step * world, self.num_generations)}",
-        ]
-        split = world * self.gradient_accumulation_steps
-        if rows % split == 0:
-            fixes.append(f"per_device_train_batch_size to a divisor of {rows // split}")
-        elif rows >= math.lcm(
-            split, self.num_generations
-        ):  # no micro-batch size splits it: the nearest batch that does
-            near = rows // math.lcm(split, self.num_generations) * math.lcm(split, self.num_generations)
-            fixes.append(f"generation_batch_size={near} with per_device_train_batch_size a divisor of {near // split}")
-        steps_per_process = rows // per_step if rows % per_step == 0 else 0
-        counts = [count for count in range(1, steps_per_process + 1) if steps_per_process % count == 0]
-        runs_on = f"; unchanged, these settings run on {_joined(counts)} processes" if counts else ""
-        raise invalid_value(
-            "generation_batch_size",
-            rows,
-            f"its {rows} completions must split into whole optimizer steps of per_device_train_batch_size "
-            f"({self.per_device_train_batch_size}) x gradient_accumulation_steps ({self.gradient_accumulation_steps}) "
-            f"x processes ({world}) = {per_step * world} completions. On {world} processes set {' or '.join(fixes)}"
-            f"{runs_on}.",
-        )
-
-    def _validate_dapo_fields(self) -> None:
-        """Reject settings that would silently stop this from being DAPO, naming the field and the fix."""
-        if self.epsilon_high is None:
-            self._derive("epsilon_high", self.epsilon)
-        if self.epsilon_high < self.epsilon:
-            raise invalid_value(
-                "epsilon_high",
-                self.epsilon_high,
-                f"Clip-Higher needs epsilon_high >= epsilon ({self.epsilon}); DAPO uses 0.28 with 0.2.",
-            )
-        if self.dynamic_sampling_on_limit not in ON_LIMIT_CHOICES:
-            raise invalid_value(
-                "dynamic_sampling_on_limit", self.dynamic_sampling_on_limit, f"use one of {ON_LIMIT_CHOICES}."
-            )
-        if self.dynamic_sampling and self.scale_rewards not in ("group", "none", True, False):
-            raise invalid_value(
-                "scale_rewards",
-                self.scale_rewards,
-                "with dynamic sampling the advantage of a kept group must not depend on dropped groups; use 'group'.",
-            )
-        if self.dynamic_sampling and self.multi_objective_aggregation != "sum_then_normalize":
-            raise invalid_value(
-                "multi_objective_aggregation",
-                self.multi_objective_aggregation,
-                "it whitens the summed rewards over the whole candidate round, groups that dynamic sampling drops "
-                "included, so a kept group's advantage would depend on them; use 'sum_then_normalize' (the "
-                "reference recipe's) or dynamic_sampling=False.",
-            )
-        self.dynamic_sampling_oversample = self._parse_oversample(self.dynamic_sampling_oversample)
-        if self.rollout_engine not in ROLLOUT_ENGINES:
-            raise invalid_value("rollout_engine", self.rollout_engine, f"use one of {ROLLOUT_ENGINES}.")
-        self._validate_sampling_mode()
-        self._validate_partial_rollouts()
-        self._validate_old_policy()
-        self._validate_rollout_precision()
-        if self.padding_free_max_tokens is not None and self.padding_free is False:
-            raise invalid_value(
-                "padding_free_max_tokens",
-                self.padding_free_max_tokens,
-                "it caps padding-free passes: set padding_free=True (or None) or leave it None.",
-            )
-
-    def _validate_sampling_mode(self) -> None:
-        """Stream mode and its settings; a stream setting without stream mode would be ignored."""
-        if self.dynamic_sampling_mode not in SAMPLING_MODES:
-            raise invalid_value("dynamic_sampling_mode", self.dynamic_sampling_mode, f"use one of {SAMPLING_MODES}.")
-        if self.dynamic_sampling_in_flight not in IN_FLIGHT_CHOICES:
-            raise invalid_value(
-                "dynamic_sampling_in_flight", self.dynamic_sampling_in_flight, f"use one of {IN_FLIGHT_CHOICES}."
-            )
-        if self.dynamic_sampling_mode == "rounds":
-            if self.dynamic_sampling_in_flight == "carry":
-                raise invalid_value(
-                    "dynamic_sampling_in_flight",
-                    "carry",
-                    "it acts in stream mode only; rounds mode carries the rows in flight with partial_rollouts=True.",
-                )
-            self._refuse_unless_default(
-                {"dynamic_sampling_in_flight": "finish", "dynamic_sampling_stream_sync_every": 1},
-                "it acts in stream mode only: set dynamic_sampling_mode='stream' or leave it at its default.",
-            )
-            return
-        if not self.dynamic_sampling:
-            raise invalid_value(
-                "dynamic_sampling_mode",
-                "stream",
-                "streaming is a way of doing dynamic sampling: set dynamic_sampling=True or use 'rounds'.",
-            )
-        if self.dynamic_sampling_oversample != "1.0":
-            raise invalid_value(
-                "dynamic_sampling_oversample",
-                self.dynamic_sampling_oversample,
-                "it sizes candidate rounds, which stream mode does not have (it admits groups from the running "
-                "efficiency as slots free): leave it at '1.0', or use dynamic_sampling_mode='rounds'.",
-            )
-        self._check_paged_engine("dynamic_sampling_mode", "stream", "dynamic_sampling_mode='rounds'")
-
-    def _validate_partial_rollouts(self) -> None:
-        """Partial rollouts and their settings. Stream mode's `dynamic_sampling_in_flight="carry"` is the same switch:
-        either turns both on; a partial-rollout setting without partial rollouts would be ignored."""
-        if self.dynamic_sampling_in_flight == "carry":
-            self.partial_rollouts = True
-        if not self.partial_rollouts:
-            self._refuse_unless_default(
-                {
-                    "partial_rollout_max_in_flight": DEFAULT_MAX_IN_FLIGHT,
-                    "partial_rollout_max_age": None,
-                    "partial_rollout_keep_cache": 0.0,
-                },
-                "it acts with partial_rollouts=True only: set that, or leave this at its default.",
-            )
-            return
-        if self.dynamic_sampling_mode == "stream":
-            if self.dynamic_sampling_in_flight == "drop":
-                raise invalid_value(
-                    "dynamic_sampling_in_flight",
-                    "drop",
-                    "partial_rollouts=True carries the rows in flight when the batch is full, which 'drop' abandons: "
-                    "leave dynamic_sampling_in_flight at its default, or set partial_rollouts=False.",
-                )
-            self.dynamic_sampling_in_flight = "carry"
-        self._check_paged_engine("partial_rollouts", True, "partial_rollouts=False")
-
-    def _refuse_unless_default(self, defaults: dict[str, object], why: str) -> None:
-        """Each field named in `defaults` at its default: it would be ignored here, which `why` says."""
-        for name, default in defaults.items():
-            if getattr(self, name) != default:
-                raise invalid_value(name, getattr(self, name), why)
-
-    def _check_paged_engine(self, name: str, value: object, otherwise: str) -> None:
-        """`name` (at `value`) needs trl-dapo's paged engine: an engine choice that rules it out is an error here,
-        before any model loads (what only the built trainer knows is checked at set-up, `set_up.py`)."""
-        if self.rollout_engine == "trl" or self.use_vllm:
-            engine = "use_vllm=True" if self.use_vllm else f"rollout_engine={self.rollout_engine!r}"
-            raise invalid_value(
-                name,
-                value,
-                f"it needs trl-dapo's paged engine (it keeps rows decoding across the engine's calls and refills its "
-                f"decode slots), which {engine} does not use: set rollout_engine='paged' (or 'auto' on CUDA), or "
-                f"{otherwise}.",
-            )
-
-    def _validate_old_policy(self) -> None:
-        """The old-policy choice and its rollout correction; a threshold without a correction would be ignored."""
-        if self.old_logprobs not in OLD_LOGPROBS_CHOICES:
-            raise invalid_value("old_logprobs", self.old_logprobs, f"use one of {OLD_LOGPROBS_CHOICES}.")
-        if self.rollout_correction is None:
-            if self.rollout_correction_max != DEFAULT_CORRECTION_MAX or self.rollout_correction_min is not None:
-                name = "rollout_correction_max" if self.rollout_correction_min is None else "rollout_correction_min"
-                raise invalid_value(
-                    name,
-                    getattr(self, name),
-                    "it only acts with a rollout_correction: set one (e.g. 'token_truncate') or leave it at its "
-                    "default.",
-                )
-            return
-        if self.rollout_correction not in CORRECTION_MODES:
-            raise invalid_value(
-                "rollout_correction", self.rollout_correction, f"use one of {CORRECTION_MODES} or None."
-            )
-        if self.old_logprobs != "recompute":
-            raise invalid_value(
-                "rollout_correction",
-                self.rollout_correction,
-                "it weighs tokens by π_old / π_rollout, which needs a recomputed old policy: set "
-                "old_logprobs='recompute' (with the rollout logprobs as the old policy every weight would be 1).",
-            )
-
-    def _validate_rollout_precision(self) -> None:
-        """FP8 rollouts: the paged engine generates, and the loss corrects for the policy FP8 samples from (off the
-        training model's by its rounding) with a recomputed old policy and a rollout correction."""
-        for name in ("rollout_kv_cache_dtype", "rollout_weights_dtype"):
-            value = getattr(self, name)
-            if value not in ROLLOUT_PRECISIONS:
-                raise invalid_value(name, value, f"use one of {ROLLOUT_PRECISIONS}.")
-            if value != "fp8":
-                continue
-            self._check_paged_engine(name, value, f"{name}='bf16'")
-            if self.old_logprobs != "recompute" or self.rollout_correction is None:
-                raise invalid_value(
-                    name,
-                    value,
-                    "FP8 rollouts sample from a policy off the training model's (its rounding), which the loss must "
-                    "correct for: set old_logprobs='recompute' and rollout_correction='token_mask' (tokens whose "
-                    "π_old / π_rollout leaves [1/rollout_correction_max, rollout_correction_max] are masked), or "
-                    f"{name}='bf16'.",
-                )
-
-    @staticmethod
-    def _parse_oversample(value: str | float) -> str:
-        """Keep the field a string for argument parsers, but check it names 'auto' or a finite number >= 1."""
-        if str(value).strip().lower() == "auto":
-            return "auto"
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            number = math.nan
-        if not 1.0 <= number < math.inf:
-            raise invalid_value(
-                "dynamic_sampling_oversample", value, "use 'auto' or a finite number >= 1, e.g. '1.0'."
-            )
-        return str(number)

@@ -25,7 +25,7 @@ import torch
 from accelerate import Accelerator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .micro_batches import MicroBatch, micro_batch_states, micro_batches_from_states
+from ..training import MicroBatch, micro_batch_states, micro_batches_from_states
 
 logger = logging.getLogger(__name__)
 

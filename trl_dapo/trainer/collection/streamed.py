@@ -23,18 +23,18 @@ from accelerate.utils import gather_object
 from torch import nn
 from trl.trainer.utils import is_async_callable
 
-from ..integrity import RolloutIntegrityError
-from ..rollout_batch import OLD_LOGPROBS_STEP, SAMPLING_STEP, RolloutBatch
-from ..sampling import (
+from ...integrity import RolloutIntegrityError
+from ...rollout_batch import OLD_LOGPROBS_STEP, SAMPLING_STEP, RolloutBatch
+from ...sampling import (
     DynamicSamplingBuffer,
     DynamicSamplingLimitError,
     GenerationStats,
     SamplingStats,
     full_pass_message,
 )
-from ..sampling.partial_round import in_flight_cap
-from ..sampling.stream import GroupStream, StreamedGroup, StreamOutcome
-from ..sampling.stream_state import StreamState
+from ...sampling.partial_round import in_flight_cap
+from ...sampling.stream import GroupStream, StreamedGroup, StreamOutcome
+from ...sampling.stream_state import StreamState
 from .collect import Collected, Collector, sum_over_ranks
 from .engine_choice import (
     EngineWeights,

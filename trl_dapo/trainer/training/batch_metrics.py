@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from trl.trainer.utils import nanstd
 
-from ..rewards.overlong import OVERLONG_REWARD_NAME
-from ..rollout_batch import SAMPLING_STEP, RolloutBatch, loss_mask, rollout_logprobs
+from ...rewards.overlong import OVERLONG_REWARD_NAME
+from ...rollout_batch import SAMPLING_STEP, RolloutBatch, loss_mask, rollout_logprobs
 
 COMPLETION_METRICS = (
     "completions/mean_length",

@@ -18,7 +18,7 @@ import torch
 from accelerate.utils import DistributedType
 from trl.models.utils import disable_gradient_checkpointing
 
-from ..rollout_batch import OLD_LOGPROBS_STEP, RolloutBatch, count_loss_tokens, loss_mask
+from ...rollout_batch import OLD_LOGPROBS_STEP, RolloutBatch, count_loss_tokens, loss_mask
 from .batch_metrics import append_metrics
 from .deepspeed_skip import skip_next_update
 from .loss import active_mean, dapo_policy_loss
@@ -29,7 +29,7 @@ from .packing import pack_rows, unpack_scores
 from .step_metrics import StepMetrics
 
 if TYPE_CHECKING:
-    from .trl_view import TRLView
+    from ..configuration import TRLView
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from ..models import base_model
-from ..rollout import PagedRolloutEngine, TokenSampling
-from ..rollout.architectures import unsupported_reason
-from ..rollout.fp8 import fp8_unsupported_reason
-from ..rollout.sharded import Gather
+from ...models import base_model
+from ...rollout import PagedRolloutEngine, TokenSampling
+from ...rollout.architectures import unsupported_reason
+from ...rollout.fp8 import fp8_unsupported_reason
+from ...rollout.sharded import Gather
 
 logger = logging.getLogger(__name__)
 

@@ -31,9 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..configuration import CORRECTION_MODES
 from .loss import MAX_LOG_RATIO, active_mean, clip_fractions
-
-CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 class RolloutCorrection(NamedTuple):

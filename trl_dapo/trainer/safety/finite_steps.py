@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 
-from .deepspeed_skip import skip_next_update
+from ..training import skip_next_update
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..data.blank import blank_rows, is_blank
-from ..text import and_more
+from ...data.blank import blank_rows, is_blank
+from ...text import and_more
 
 
 def check_dataset_prompts(name: str, dataset: Any) -> None:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from ..integrity import RolloutIntegrityError, check_completions, check_groups
-from ..rollout_batch import (
+from ...integrity import RolloutIntegrityError, check_completions, check_groups
+from ...rollout_batch import (
     LOGPROB_KEYS,
     OLD_LOGPROBS_STEP,
     PADDED_KEYS,
@@ -32,10 +32,10 @@ from ..rollout_batch import (
     loss_mask,
     num_rows,
 )
-from ..sampling import GenerationStats
+from ...sampling import GenerationStats
 
 if TYPE_CHECKING:
-    from .trl_view import TRLView
+    from ..configuration import TRLView
 
 # Keys TRL may return that carry nothing DAPO needs once the rollout logprobs are recorded.
 DROPPED_KEYS = ("num_items_in_batch", "sampling_per_token_logps", "importance_sampling_ratio")

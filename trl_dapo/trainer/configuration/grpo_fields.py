@@ -14,6 +14,8 @@ from typing import Any
 from transformers import TrainingArguments
 from trl import GRPOConfig
 
+from .field_rules import invalid_value
+
 HONOURED_FIELDS = frozenset(
     {
         # model loading and the forward pass (TRL)
@@ -140,3 +142,9 @@ def unhonoured_settings(config: GRPOConfig) -> list[tuple[str, Any, Any, str]]:
         for name in grpo_only_fields()
         if name not in HONOURED_FIELDS and getattr(config, name) != defaults[name]
     ]
+
+
+def reject_unhonoured_settings(config: GRPOConfig) -> None:
+    """A GRPOConfig field DAPOTrainer does not honour, set away from its default, would be silently ignored."""
+    for name, value, default, reason in unhonoured_settings(config):
+        raise invalid_value(name, value, f"{reason}; leave it at its default {default!r}.")

@@ -20,7 +20,7 @@ import torch
 from transformers import TrainerState
 from trl.data_utils import is_conversational
 
-from ..integrity import RolloutIntegrityError, check_rewards
+from ...integrity import RolloutIntegrityError, check_rewards
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,18 @@
+"""Configuration and the checks that need no model: `DAPOConfig` (its fields' types and ranges, the `GRPOConfig`
+fields it honours, its choices, its batch sizes), each prompt's check, and `TRLView`, the built trainer's values the
+other sub-packages read. It imports none of the trainer's other modules: every other part may import it."""
+
+from .choices import CORRECTION_MODES
+from .config import DAPOConfig
+from .prompts import check_batch_prompts, check_dataset_prompts, check_prompt_ids, prompt_token_limit
+from .view import TRLView
+
+__all__ = [
+    "CORRECTION_MODES",
+    "DAPOConfig",
+    "TRLView",
+    "check_batch_prompts",
+    "check_dataset_prompts",
+    "check_prompt_ids",
+    "prompt_token_limit",
+]
