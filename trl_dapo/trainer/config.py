@@ -608,13 +608,16 @@ class DAPOConfig(GRPOConfig, _GenerationBatchCheck):
         """`name` (at `value`) needs trl-dapo's paged engine: an engine choice that rules it out is an error here,
         before any model loads (what only the built trainer knows is checked at set-up, `set_up.py`)."""
         if self.rollout_engine == "trl" or self.use_vllm:
-            engine = "use_vllm=True" if self.use_vllm else f"rollout_engine={self.rollout_engine!r}"
+            engine, fix = (
+                ("use_vllm=True", "use_vllm=False and rollout_engine='paged' (or 'auto' on CUDA)")
+                if self.use_vllm
+                else (f"rollout_engine={self.rollout_engine!r}", "rollout_engine='paged' (or 'auto' on CUDA)")
+            )
             raise invalid_value(
                 name,
                 value,
                 f"it needs trl-dapo's paged engine (it keeps rows decoding across the engine's calls and refills its "
-                f"decode slots), which {engine} does not use: set rollout_engine='paged' (or 'auto' on CUDA), or "
-                f"{otherwise}.",
+                f"decode slots), which {engine} does not use: set {fix}, or {otherwise}.",
             )
 
     def _validate_old_policy(self) -> None:

@@ -62,6 +62,7 @@ from .round import TRLRounds, round_scores
 from .scoring import FilterMetric
 from .set_up import check_set_up, filter_column
 from .trl_view import collector, engine_set_up, view_of
+from .vllm_path import check_vllm_server_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class DAPOTrainer(GRPOTrainer):
         built_by_trainer = isinstance(model, str)
         model, args = self._load_gguf(model, args, kwargs)
         super().__init__(model, reward_funcs, args, **kwargs)
+        check_vllm_server_logprobs(args, getattr(self, "vllm_generation", None), self.accelerator)
         ensure_float32_rotary(self.model, built_by_trainer=built_by_trainer)
         positions = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
         self.prompt_limit = prompt_token_limit(args.max_prompt_length, positions, args.max_completion_length)
