@@ -27,8 +27,8 @@ def check_vllm_server_logprobs(args, vllm_generation, accelerator) -> None:
     if mode[0] != SAMPLED_LOGPROBS_MODE:
         raise ValueError(
             f"DAPOConfig.use_vllm=True with vllm_mode='server': the vLLM server runs with --logprobs-mode "
-            f"{mode[0]}, so what it returns is not the logprob of each token under the distribution it sampled from "
-            "(after temperature and logit processing), which DAPOTrainer takes as the old policy of the ratio (with old_logprobs='recompute', as the rollout "
-            f"policy the correction divides by). Restart the server with --logprobs-mode {SAMPLED_LOGPROBS_MODE} "
-            "(`trl vllm-serve` sets it)."
+            f"{mode[0]}, so what it returns is not each token's logprob under the distribution it sampled from "
+            "(after temperature and logit processing), which DAPOTrainer takes as the old policy of the ratio (with "
+            "old_logprobs='recompute', as the rollout policy the correction divides by). Restart the server with "
+            f"--logprobs-mode {SAMPLED_LOGPROBS_MODE} (`trl vllm-serve` sets it)."
         )
