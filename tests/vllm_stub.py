@@ -46,18 +46,10 @@ class RequestOutput:
 
 
 class SamplingParams:
-    """vLLM's `SamplingParams`, keeping what the stand-ins read."""
+    """vLLM's `SamplingParams`: what the stand-ins read, the rest of TRL's settings accepted."""
 
-    def __init__(
-        self, n: int = 1, temperature: float = 1.0, max_tokens: int = 16, logprobs: int | None = None, **rest
-    ):
-        self.n, self.temperature, self.max_tokens, self.logprobs, self.rest = (
-            n,
-            temperature,
-            max_tokens,
-            logprobs,
-            rest,
-        )
+    def __init__(self, n=1, temperature=1.0, max_tokens=16, logprobs=None, **rest) -> None:
+        self.n, self.temperature, self.max_tokens, self.logprobs = n, temperature, max_tokens, logprobs
 
 
 @dataclass
@@ -82,7 +74,6 @@ class Sampler:
     script: Script | None = None
     training_model: torch.nn.Module | None = None
     generations: list[Generation] = field(default_factory=list)
-    synced_tensors: int = 0
 
     def __post_init__(self) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path).eval()
@@ -96,7 +87,6 @@ class Sampler:
         with torch.no_grad():
             for name, tensor in weights:
                 parameters[name].copy_(tensor)
-                self.synced_tensors += 1
 
     def generate(self, prompts: list[list[int]], samples: int, max_tokens: int, temperature: float):
         """`samples` rows per prompt, in order; each row's completion ids and logprobs."""
@@ -162,7 +152,6 @@ class LLM:
             model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)),
             model_config=SimpleNamespace(max_model_len=settings.get("max_model_len")),
         )
-        self.prefix_cache_resets = 0
 
     def generate(self, prompts: list[dict], sampling_params: SamplingParams, use_tqdm: bool = True):
         self.sampling_params = sampling_params
@@ -182,7 +171,7 @@ class LLM:
         ]
 
     def reset_prefix_cache(self) -> None:
-        self.prefix_cache_resets += 1
+        pass
 
     def sleep(self, level: int = 1) -> None:
         pass
@@ -206,7 +195,6 @@ class VLLMClient:
 
     def __init__(self, base_url=None, host="0.0.0.0", server_port=8000, group_port=51216, connection_timeout=0.0):
         self.sampler = Sampler(self.model_path)
-        self.prefix_cache_resets = 0
 
     @classmethod
     def serving(cls, model_path: str, logprobs_mode: str = "processed_logprobs") -> type[VLLMClient]:
@@ -231,7 +219,7 @@ class VLLMClient:
         self.sampler.load_weights(params)
 
     def reset_prefix_cache(self) -> None:
-        self.prefix_cache_resets += 1
+        pass
 
 
 DISTRIBUTED_ENVIRONMENT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
