@@ -81,8 +81,8 @@ def test_dapo_trains_on_colocated_vllm(tmp_path, vllm_process_state):
 
 
 def bf16_copy(folder: str) -> str:
-    """The folder's model and tokenizer saved beside it in bf16, which vLLM then serves in (it would choose between
-    bf16 and fp16 itself for float32 weights)."""
+    """The folder's model and tokenizer saved beside it in bf16, which vLLM then serves in (float32 weights it
+    downcasts to its platform's preferred dtype)."""
     copy = f"{folder}-bf16"
     AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(copy)
     AutoTokenizer.from_pretrained(folder).save_pretrained(copy)
