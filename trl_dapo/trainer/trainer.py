@@ -42,7 +42,15 @@ from ..models import ensure_float32_rotary
 from ..rewards.overlong import OVERLONG_REWARD_NAME, OverlongPenalty
 from ..rollout_batch import SAMPLING_STEP, RolloutBatch, num_rows
 from ..sampling import DynamicSamplingBuffer, GenerationStats, filter_groups, make_prompt_stream
-from .collection import EngineWeights, FilterMetric, TRLRounds, round_scores, select_rollout_engine, token_sampling
+from .collection import (
+    EngineWeights,
+    FilterMetric,
+    TRLRounds,
+    check_vllm_server_logprobs,
+    round_scores,
+    select_rollout_engine,
+    token_sampling,
+)
 from .configuration import DAPOConfig, check_batch_prompts, check_prompt_ids, prompt_token_limit
 from .safety import (
     SAMPLING_STATE_FILE,
@@ -96,6 +104,7 @@ class DAPOTrainer(GRPOTrainer):
         built_by_trainer = isinstance(model, str)
         model, args = self._load_gguf(model, args, kwargs)
         super().__init__(model, reward_funcs, args, **kwargs)
+        check_vllm_server_logprobs(args, getattr(self, "vllm_generation", None), self.accelerator)
         ensure_float32_rotary(self.model, built_by_trainer=built_by_trainer)
         positions = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
         self.prompt_limit = prompt_token_limit(args.max_prompt_length, positions, args.max_completion_length)

@@ -18,6 +18,7 @@ from .round import TRLRounds, round_scores
 from .scoring import FilterMetric, GroupScorer
 from .strategy import collection_strategy
 from .streamed import StreamedGroups
+from .vllm_path import check_vllm_server_logprobs
 
 __all__ = [
     "CandidateRounds",
@@ -33,6 +34,7 @@ __all__ = [
     "StreamedGroups",
     "TRLRounds",
     "check_rollout_precision",
+    "check_vllm_server_logprobs",
     "collection_strategy",
     "round_scores",
     "select_rollout_engine",

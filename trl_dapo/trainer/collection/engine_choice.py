@@ -131,6 +131,9 @@ def select_rollout_engine(set_up: EngineSetUp) -> PagedRolloutEngine | None:
     choice = set_up.args.rollout_engine
     if choice == "trl":
         return None
+    if set_up.args.use_vllm:  # asked for, so no fall-back ("paged" with it is refused at set-up)
+        logger.info("use_vllm=True: vLLM generates (TRL's path), not the paged engine.")
+        return None
     on_cuda = set_up.device.type == "cuda"
     if choice == "auto" and not on_cuda:
         logger.info("rollout_engine='auto': no CUDA device, using TRL's generation path.")

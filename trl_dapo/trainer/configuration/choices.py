@@ -142,13 +142,16 @@ def _check_paged_engine(config: Any, name: str, value: object, otherwise: str) -
     """`name` (at `value`) needs trl-dapo's paged engine: an engine choice that rules it out is an error here,
     before any model loads (what only the built trainer knows is checked at set-up, `set_up.py`)."""
     if config.rollout_engine == "trl" or config.use_vllm:
-        engine = "use_vllm=True" if config.use_vllm else f"rollout_engine={config.rollout_engine!r}"
+        engine, fix = (
+            ("use_vllm=True", "use_vllm=False and rollout_engine='paged' (or 'auto' on CUDA)")
+            if config.use_vllm
+            else (f"rollout_engine={config.rollout_engine!r}", "rollout_engine='paged' (or 'auto' on CUDA)")
+        )
         raise invalid_value(
             name,
             value,
             f"it needs trl-dapo's paged engine (it keeps rows decoding across the engine's calls and refills its "
-            f"decode slots), which {engine} does not use: set rollout_engine='paged' (or 'auto' on CUDA), or "
-            f"{otherwise}.",
+            f"decode slots), which {engine} does not use: set {fix}, or {otherwise}.",
         )
 
 
