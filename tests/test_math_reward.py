@@ -5,8 +5,11 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from datasets import Dataset
 
 from trl_dapo.data import arithmetic_dataset, load_math_dataset
+from trl_dapo.data.blank import is_blank
+from trl_dapo.data.math import to_prompt_answer
 from trl_dapo.rewards import math as math_reward
 from trl_dapo.rewards.equivalence import EquivalenceWorker
 from trl_dapo.rewards.math import dapo_math_reward, extract_answer, score_answer
@@ -33,12 +36,22 @@ CASES = [
     ("Answer: None", None, -1.0),
     ("Answer: $$", "", -1.0),
     ("Answer: $ $", "  ", -1.0),
+    # nor is a truth that is not a finite number (a dataset's missing number), whatever the answer
+    ("Answer: nan", float("nan"), -1.0),
+    ("Answer: NaN", "nan", -1.0),
+    ("Answer: inf", float("inf"), -1.0),
+    ("Answer: -inf", float("-inf"), -1.0),
+    ("Answer: 2", 2.0, 1.0),
 ]
 
 
 @pytest.mark.parametrize(("completion", "truth", "reward"), CASES)
 def test_reward_cases(completion, truth, reward):
     assert score_answer(completion, truth)[0] == reward
+
+
+def test_a_nan_truth_never_scores_through_the_reward():
+    assert dapo_math_reward(["Answer: nan", "Answer: inf"], [float("nan"), float("inf")]) == [-1.0, -1.0]
 
 
 def test_conversational_completions_and_logged_metrics():
@@ -178,6 +191,21 @@ def test_missing_columns_are_named_with_the_columns_found(tmp_path, row, missing
 def test_rows_without_a_question_or_an_answer_are_named(tmp_path, rows, message):
     with pytest.raises(ValueError, match=message):
         load_math_dataset(write_jsonl(tmp_path / "gaps.jsonl", rows))
+
+
+@pytest.mark.parametrize("truth", [float("nan"), float("inf"), float("-inf")])
+def test_rows_whose_answer_is_not_a_finite_number_are_named(truth):
+    """`Dataset.from_dict` keeps a NaN, which the string cast would turn into the ground truth 'nan'."""
+    plain = Dataset.from_dict({"problem": ["a", "b", "c"], "answer": [1.0, 2.5, truth]})
+    with pytest.raises(ValueError, match=r"row 2 has no value in column 'answer' \(null, empty, NaN or infinite\)"):
+        to_prompt_answer(plain)
+    prompt = [{"role": "user", "content": "1+1?"}]
+    dapo = Dataset.from_dict(
+        {"prompt": [prompt, prompt], "reward_model": [{"ground_truth": truth}, {"ground_truth": 2.0}]}
+    )
+    with pytest.raises(ValueError, match=r"row 0 has no value in column 'reward_model.ground_truth'"):
+        to_prompt_answer(dapo)
+    assert is_blank(truth) and not is_blank(2.5)
 
 
 def test_missing_file_is_reported(tmp_path):
