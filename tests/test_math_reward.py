@@ -2,6 +2,10 @@
 
 import json
 import logging
+import os
+import signal
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -125,6 +129,57 @@ def test_a_worker_out_of_time_gives_no_verdict_and_the_next_one_answers():
         assert worker.equivalent("0.5", "1/2", timeout=30.0) is True
         assert worker.equivalent("0.4", "1/2", timeout=30.0) is False
     finally:
+        worker.close()
+
+
+def test_the_worker_runs_nothing_from_the_current_folder(tmp_path, monkeypatch):
+    """`python -c` put the current folder first on the worker's path: a `json.py` there ran in the worker."""
+    marker = tmp_path / "ran"
+    (tmp_path / "json.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit('json.py ran')\n")
+    monkeypatch.chdir(tmp_path)
+    worker = EquivalenceWorker()
+    try:
+        assert worker.equivalent("0.5", "1/2", timeout=60.0) is True
+    finally:
+        worker.close()
+    assert not marker.exists()
+
+
+def wait_for_exit(pid: int, seconds: float) -> int | None:
+    """The exit code of child `pid`, or None (the child killed) when it is still running after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+def test_a_child_forked_while_another_thread_waits_on_the_worker_gets_its_own():
+    """A fork while a thread waits on the worker copied its lock held: the child's first call blocked forever."""
+    worker = EquivalenceWorker()
+    worker.start()
+    # math-verify computes 9^123456789 for longer than the 10 s this thread waits, holding the worker's lock
+    busy = threading.Thread(target=worker.equivalent, args=("9^{123456789}", "1", 10.0))
+    busy.start()
+    time.sleep(1.0)
+    assert busy.is_alive()
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 when its own worker answers
+        code = 1
+        try:
+            code = 0 if worker.equivalent("0.5", "1/2", timeout=30.0) is True else 1
+        finally:
+            os._exit(code)
+    try:
+        assert wait_for_exit(pid, 60.0) == 0
+        busy.join()
+        assert worker.equivalent("0.4", "1/2", timeout=60.0) is False
+    finally:
+        busy.join()
         worker.close()
 
 
