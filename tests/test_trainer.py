@@ -266,6 +266,18 @@ def test_overlong_penalty_enters_the_reward_before_advantages(tiny_model, tmp_pa
             RolloutIntegrityError,
             r"returned 1e\+20 for completion 1; rewards beyond ±1e\+15",
         ),
+        # past float64: TRL's cast raised an OverflowError naming no function
+        (
+            lambda completion_ids, **kw: [10**400 * (j % 2) for j in range(len(completion_ids))],
+            RolloutIntegrityError,
+            r"'<lambda>' returned 1.000e\+400 for completion 1; rewards beyond ±1e\+15",
+        ),
+        # float32 rounds it to 1e15 itself: compared after the cast, it passed
+        (
+            lambda completion_ids, **kw: [1.00000001e15 * (j % 2) for j in range(len(completion_ids))],
+            RolloutIntegrityError,
+            r"returned 1000000010000000.0 for completion 1; rewards beyond ±1e\+15",
+        ),
     ],
 )
 def test_bad_rewards_stop_training_with_a_clear_error(tiny_model, tmp_path, reward, error, message):
