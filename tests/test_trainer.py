@@ -1005,6 +1005,17 @@ def test_an_empty_or_missing_prompt_is_named_by_its_row_at_set_up(tiny_model, tm
         make_trainer(tiny_model, tmp_path, dataset=dataset)
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_bytes_prompt_is_named_before_tokenization(tiny_model, tmp_path, streaming):
+    """It failed inside the tokenizer naming no row; a stream's rows are checked per batch, by position."""
+    dataset = Dataset.from_dict({"prompt": [f"What is {i} + 1?".encode() for i in range(8)]})
+    where = r"prompt \d of this batch" if streaming else r"train_dataset row 0 \(and 7 more\): its prompt"
+    message = rf"{where} is bytes \(b'What is \d \+ 1\?'\): decode it first"
+    with pytest.raises(ValueError, match=message):
+        dataset = dataset.to_iterable_dataset() if streaming else dataset
+        make_trainer(tiny_model, tmp_path, dataset=dataset, max_steps=1, dynamic_sampling=False).train()
+
+
 @pytest.mark.parametrize(
     ("settings", "words", "limit"),
     [
