@@ -25,6 +25,7 @@ from trl_dapo.data import arithmetic_dataset
 from trl_dapo.evaluation import MathAccuracyCallback
 from trl_dapo.integrity import RolloutIntegrityError
 from trl_dapo.rewards import soft_overlong_penalty
+from trl_dapo.rewards.math import dapo_math_reward
 from trl_dapo.rollout_batch import OLD_LOGPROBS_STEP
 from trl_dapo.sampling import DynamicSamplingLimitError, GenerationStats
 from trl_dapo.testing import ScriptedRollout
@@ -1003,6 +1004,24 @@ def test_an_empty_or_missing_prompt_is_named_by_its_row_at_set_up(tiny_model, tm
     dataset = Dataset.from_dict({"prompt": prompts})
     with pytest.raises(ValueError, match=rf"train_dataset row 5 has no prompt \({blank!r}\)"):
         make_trainer(tiny_model, tmp_path, dataset=dataset)
+
+
+def test_a_reward_function_requiring_a_missing_column_is_named_at_set_up(tiny_model, tmp_path):
+    """`dapo_math_reward` reads the `answer` column: without one, its first call raised a bare `TypeError`, after the
+    model had loaded and generated. A parameter with a default, or `**kwargs`, requires no column."""
+
+    def with_defaults(completions, answer=None, **kwargs):
+        return [0.0] * len(completions)
+
+    prompts = arithmetic_prompts(8)
+    with pytest.raises(
+        ValueError,
+        match=r"reward function 'dapo_math_reward' requires 'answer', which TRL passes from the dataset column of "
+        r"that name, but train_dataset has no such column \(columns: \['prompt', 'index'\]\)",
+    ):
+        make_trainer(tiny_model, tmp_path, reward=[with_defaults, dapo_math_reward], dataset=prompts)
+    with_answers = prompts.add_column("answer", ["2"] * len(prompts))
+    make_trainer(tiny_model, tmp_path, reward=[with_defaults, dapo_math_reward], dataset=with_answers)
 
 
 @pytest.mark.parametrize("streaming", [False, True])
