@@ -106,7 +106,8 @@ def check_reward_values(values: Any, name: str) -> None:
 
 
 def _as_text(number: numbers.Real) -> str:
-    """A reward as returned, told apart from the bound (`1.00000001e+15`; an int past float64's range: `1.000e+400`)."""
+    """A reward as returned, told apart from the bound (`1000000010000000.0`, not `1e+15`; an int past float64's range:
+    `1.000e+400`)."""
     if isinstance(number, numbers.Integral):
         return str(int(number)) if abs(number) < 10**20 else f"{Decimal(int(number)):.3e}"
     return repr(float(number))
