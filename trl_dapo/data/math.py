@@ -47,8 +47,8 @@ def _check_rows(dataset: Dataset, column: str, field: str | None = None) -> None
         name = column if field is None else f"{column}.{field}"
         more = f" (and {len(blank) - 1} more: rows {blank[1:6]}{'...' if len(blank) > 6 else ''})" if blank[1:] else ""
         raise ValueError(
-            f"math dataset: row {blank[0]}{more} has no value in column {name!r} (null, empty, NaN or infinite); drop such rows "
-            "before loading (e.g. `dataset.filter(...)`) or fill them in."
+            f"math dataset: row {blank[0]}{more} has no value in column {name!r} (null, empty, NaN or infinite); drop "
+            "such rows before loading (e.g. `dataset.filter(...)`) or fill them in."
         )
 
 
