@@ -2,13 +2,16 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from trl_dapo.integrity import (
+    MAX_ABS_REWARD,
     RolloutIntegrityError,
     check_completions,
     check_groups,
+    check_reward_values,
     check_rewards,
     check_weighted_total,
 )
@@ -32,6 +35,26 @@ def test_good_rewards_pass_including_nan_for_a_function_that_does_not_apply():
 def test_bad_rewards(rewards, count, message):
     with pytest.raises(RolloutIntegrityError, match=message):
         check_rewards(rewards, count, NAMES)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (10**400, r"'judge' returned 1.000e\+400 for completion 1; rewards beyond ±1e\+15"),
+        (-(10**15) - 1, r"'judge' returned -1000000000000001 for completion 1; rewards beyond"),
+        (1.00000001e15, r"'judge' returned 1000000010000000.0 for completion 1; rewards beyond"),
+        (np.float64(-2e15), r"'judge' returned -2000000000000000.0 for completion 1"),
+        (torch.tensor(math.inf), r"'judge' returned inf for completion 1; return a finite number"),
+    ],
+    ids=["10**400", "an int past the bound", "rounded to the bound by float32", "numpy", "an infinite tensor"],
+)
+def test_reward_values_are_compared_before_the_float32_cast(value, message):
+    """float32 rounds 1.00000001e15 to 1e15 and 10**400 does not convert: each is named as the function returned
+    it."""
+    assert torch.tensor(1.00000001e15, dtype=torch.float32).item() <= MAX_ABS_REWARD  # what the cast hid
+    check_reward_values([1.0, 10**15, -1e15, None, math.nan, np.True_, torch.tensor(2.0)], "judge")
+    with pytest.raises(RolloutIntegrityError, match=message):
+        check_reward_values([0.0, value], "judge")
 
 
 def test_groups_must_be_whole_and_hold_one_prompt():

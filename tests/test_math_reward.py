@@ -2,11 +2,18 @@
 
 import json
 import logging
+import os
+import signal
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from datasets import Dataset
 
 from trl_dapo.data import arithmetic_dataset, load_math_dataset
+from trl_dapo.data.blank import is_blank
+from trl_dapo.data.math import to_prompt_answer
 from trl_dapo.rewards import math as math_reward
 from trl_dapo.rewards.equivalence import EquivalenceWorker
 from trl_dapo.rewards.math import dapo_math_reward, extract_answer, score_answer
@@ -33,12 +40,22 @@ CASES = [
     ("Answer: None", None, -1.0),
     ("Answer: $$", "", -1.0),
     ("Answer: $ $", "  ", -1.0),
+    # nor is a truth that is not a finite number (a dataset's missing number), whatever the answer
+    ("Answer: nan", float("nan"), -1.0),
+    ("Answer: NaN", "nan", -1.0),
+    ("Answer: inf", float("inf"), -1.0),
+    ("Answer: -inf", float("-inf"), -1.0),
+    ("Answer: 2", 2.0, 1.0),
 ]
 
 
 @pytest.mark.parametrize(("completion", "truth", "reward"), CASES)
 def test_reward_cases(completion, truth, reward):
     assert score_answer(completion, truth)[0] == reward
+
+
+def test_a_nan_truth_never_scores_through_the_reward():
+    assert dapo_math_reward(["Answer: nan", "Answer: inf"], [float("nan"), float("inf")]) == [-1.0, -1.0]
 
 
 def test_conversational_completions_and_logged_metrics():
@@ -115,6 +132,57 @@ def test_a_worker_out_of_time_gives_no_verdict_and_the_next_one_answers():
         worker.close()
 
 
+def test_the_worker_runs_nothing_from_the_current_folder(tmp_path, monkeypatch):
+    """`python -c` put the current folder first on the worker's path: a `json.py` there ran in the worker."""
+    marker = tmp_path / "ran"
+    (tmp_path / "json.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit('json.py ran')\n")
+    monkeypatch.chdir(tmp_path)
+    worker = EquivalenceWorker()
+    try:
+        assert worker.equivalent("0.5", "1/2", timeout=60.0) is True
+    finally:
+        worker.close()
+    assert not marker.exists()
+
+
+def wait_for_exit(pid: int, seconds: float) -> int | None:
+    """The exit code of child `pid`, or None (the child killed) when it is still running after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+def test_a_child_forked_while_another_thread_waits_on_the_worker_gets_its_own():
+    """A fork while a thread waits on the worker copied its lock held: the child's first call blocked forever."""
+    worker = EquivalenceWorker()
+    worker.start()
+    # math-verify computes 9^123456789 for longer than the 10 s this thread waits, holding the worker's lock
+    busy = threading.Thread(target=worker.equivalent, args=("9^{123456789}", "1", 10.0))
+    busy.start()
+    time.sleep(1.0)
+    assert busy.is_alive()
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 when its own worker answers
+        code = 1
+        try:
+            code = 0 if worker.equivalent("0.5", "1/2", timeout=30.0) is True else 1
+        finally:
+            os._exit(code)
+    try:
+        assert wait_for_exit(pid, 60.0) == 0
+        busy.join()
+        assert worker.equivalent("0.4", "1/2", timeout=60.0) is False
+    finally:
+        busy.join()
+        worker.close()
+
+
 def test_extract_answer_takes_the_last_line_value():
     assert extract_answer("Answer: 1\nAnswer: 2 apples\n") == "2 apples"
     assert extract_answer("nothing here") is None
@@ -178,6 +246,21 @@ def test_missing_columns_are_named_with_the_columns_found(tmp_path, row, missing
 def test_rows_without_a_question_or_an_answer_are_named(tmp_path, rows, message):
     with pytest.raises(ValueError, match=message):
         load_math_dataset(write_jsonl(tmp_path / "gaps.jsonl", rows))
+
+
+@pytest.mark.parametrize("truth", [float("nan"), float("inf"), float("-inf")])
+def test_rows_whose_answer_is_not_a_finite_number_are_named(truth):
+    """`Dataset.from_dict` keeps a NaN, which the string cast would turn into the ground truth 'nan'."""
+    plain = Dataset.from_dict({"problem": ["a", "b", "c"], "answer": [1.0, 2.5, truth]})
+    with pytest.raises(ValueError, match=r"row 2 has no value in column 'answer' \(null, empty, NaN or infinite\)"):
+        to_prompt_answer(plain)
+    prompt = [{"role": "user", "content": "1+1?"}]
+    dapo = Dataset.from_dict(
+        {"prompt": [prompt, prompt], "reward_model": [{"ground_truth": truth}, {"ground_truth": 2.0}]}
+    )
+    with pytest.raises(ValueError, match=r"row 0 has no value in column 'reward_model.ground_truth'"):
+        to_prompt_answer(dapo)
+    assert is_blank(truth) and not is_blank(2.5)
 
 
 def test_missing_file_is_reported(tmp_path):

@@ -25,6 +25,7 @@ from trl_dapo.data import arithmetic_dataset
 from trl_dapo.evaluation import MathAccuracyCallback
 from trl_dapo.integrity import RolloutIntegrityError
 from trl_dapo.rewards import soft_overlong_penalty
+from trl_dapo.rewards.math import dapo_math_reward
 from trl_dapo.rollout_batch import OLD_LOGPROBS_STEP
 from trl_dapo.sampling import DynamicSamplingLimitError, GenerationStats
 from trl_dapo.testing import ScriptedRollout
@@ -265,6 +266,18 @@ def test_overlong_penalty_enters_the_reward_before_advantages(tiny_model, tmp_pa
             lambda completion_ids, **kw: [1e20 * (j % 2) for j in range(len(completion_ids))],
             RolloutIntegrityError,
             r"returned 1e\+20 for completion 1; rewards beyond ±1e\+15",
+        ),
+        # past float64: TRL's cast raised an OverflowError naming no function
+        (
+            lambda completion_ids, **kw: [10**400 * (j % 2) for j in range(len(completion_ids))],
+            RolloutIntegrityError,
+            r"'<lambda>' returned 1.000e\+400 for completion 1; rewards beyond ±1e\+15",
+        ),
+        # float32 rounds it to 1e15 itself: compared after the cast, it passed
+        (
+            lambda completion_ids, **kw: [1.00000001e15 * (j % 2) for j in range(len(completion_ids))],
+            RolloutIntegrityError,
+            r"returned 1000000010000000.0 for completion 1; rewards beyond ±1e\+15",
         ),
     ],
 )
@@ -991,6 +1004,35 @@ def test_an_empty_or_missing_prompt_is_named_by_its_row_at_set_up(tiny_model, tm
     dataset = Dataset.from_dict({"prompt": prompts})
     with pytest.raises(ValueError, match=rf"train_dataset row 5 has no prompt \({blank!r}\)"):
         make_trainer(tiny_model, tmp_path, dataset=dataset)
+
+
+def test_a_reward_function_requiring_a_missing_column_is_named_at_set_up(tiny_model, tmp_path):
+    """`dapo_math_reward` reads the `answer` column: without one, its first call raised a bare `TypeError`, after the
+    model had loaded and generated. A parameter with a default, or `**kwargs`, requires no column."""
+
+    def with_defaults(completions, answer=None, **kwargs):
+        return [0.0] * len(completions)
+
+    prompts = arithmetic_prompts(8)
+    with pytest.raises(
+        ValueError,
+        match=r"reward function 'dapo_math_reward' requires 'answer', which TRL passes from the dataset column of "
+        r"that name, but train_dataset has no such column \(columns: \['prompt', 'index'\]\)",
+    ):
+        make_trainer(tiny_model, tmp_path, reward=[with_defaults, dapo_math_reward], dataset=prompts)
+    with_answers = prompts.add_column("answer", ["2"] * len(prompts))
+    make_trainer(tiny_model, tmp_path, reward=[with_defaults, dapo_math_reward], dataset=with_answers)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_bytes_prompt_is_named_before_tokenization(tiny_model, tmp_path, streaming):
+    """It failed inside the tokenizer naming no row; a stream's rows are checked per batch, by position."""
+    dataset = Dataset.from_dict({"prompt": [f"What is {i} + 1?".encode() for i in range(8)]})
+    where = r"prompt \d of this batch" if streaming else r"train_dataset row 0 \(and 7 more\): its prompt"
+    message = rf"{where} is bytes \(b'What is \d \+ 1\?'\): decode it first"
+    with pytest.raises(ValueError, match=message):
+        dataset = dataset.to_iterable_dataset() if streaming else dataset
+        make_trainer(tiny_model, tmp_path, dataset=dataset, max_steps=1, dynamic_sampling=False).train()
 
 
 @pytest.mark.parametrize(

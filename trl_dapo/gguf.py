@@ -6,6 +6,9 @@ dequantizes them anyway but leaves the model marked as quantized (`hf_quantizer`
 which makes `Trainer` refuse full fine-tuning and `save_pretrained` refuse to save. This module loads on request,
 and removes the mark from a model a caller loaded once every parameter is checked to be a float tensor.
 
+A file's header is checked before anything is built from it (`gguf_header.py`): a corrupt or hostile one is an
+error naming the path and the field, not a model of 2**31 layers.
+
 `python -m trl_dapo.smollm2` prints the path of the shipped SmolLM2-135M-Instruct file, for `--model_name_or_path`.
 """
 
@@ -16,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from .gguf_header import Header, check_gguf_file
 from .models import base_model
 
 logger = logging.getLogger(__name__)
@@ -60,6 +64,22 @@ def _require_gguf() -> None:
         raise ImportError(f"Loading a GGUF file needs the `gguf` package: install it with `{GGUF_INSTALL}`.")
 
 
+HUB_KEYS = ("revision", "cache_dir", "token", "local_files_only", "subfolder")
+
+
+def checked_gguf_header(folder: str, gguf_file: str, **kwargs) -> Header:
+    """The header of the file `from_pretrained(folder, gguf_file=...)` sizes the model from (`gguf_file` in the
+    folder or hub repository `folder`, fetched into the hub cache as transformers fetches it), checked before anything
+    is built from it (`gguf_header.py`); the weights' file too where transformers reads them elsewhere (`gguf_file`
+    itself, when it names a file)."""
+    from transformers.utils import cached_file
+
+    config_file = cached_file(folder, gguf_file, **{key: kwargs[key] for key in HUB_KEYS if key in kwargs})
+    if Path(gguf_file).is_file() and Path(gguf_file).resolve() != Path(config_file).resolve():
+        check_gguf_file(gguf_file)
+    return check_gguf_file(config_file)
+
+
 def load_gguf_causal_lm(folder: str, gguf_file: str, **kwargs):
     """A dense causal LM from a GGUF file, free of the quantizer mark so it trains fully and saves as safetensors.
 
@@ -74,6 +94,7 @@ def load_gguf_causal_lm(folder: str, gguf_file: str, **kwargs):
             f"{gguf_file}: a GGUF model is loaded dequantized to be trained; drop quantization_config (to train a "
             "small adapter, pass a peft_config for LoRA on the dense model)."
         )
+    checked_gguf_header(folder, gguf_file, **kwargs)
     return create_model_from_path(
         folder,
         architecture=AutoModelForCausalLM,
@@ -116,21 +137,19 @@ def load_gguf_tokenizer(folder: str, gguf_file: str, **kwargs):
     from transformers import AutoTokenizer
 
     _require_gguf()
+    header = checked_gguf_header(folder, gguf_file, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, **kwargs)
-    for role, token_id in _special_token_ids(Path(folder) / gguf_file).items():
+    for role, token_id in _special_token_ids(header).items():
         if getattr(tokenizer, f"{role}_token_id") != token_id:
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
     return tokenizer
 
 
-def _special_token_ids(path: Path) -> dict[str, int]:
+def _special_token_ids(header: Header) -> dict[str, int]:
     """The `bos` / `eos` / `pad` token ids a GGUF file's metadata names."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
     keys = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
             "pad": "tokenizer.ggml.padding_token_id"}  # fmt: skip
-    return {role: int(fields[key].parts[-1][0]) for role, key in keys.items() if key in fields}
+    return {role: header.fields[key] for role, key in keys.items() if isinstance(header.fields.get(key), int)}
 
 
 def gguf_model_for_trainer(model: Any, args: Any, processing_class: Any, quantization_config: Any) -> tuple | None:

@@ -7,8 +7,10 @@ misaligned sample would bias the token-mean and the group advantages without any
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from collections.abc import Callable, Sequence
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,21 @@ class RolloutIntegrityError(ValueError):
     """A rollout batch violates an invariant the DAPO loss relies on."""
 
 
+def _infinite_reward(name: str, value: float, row: int) -> RolloutIntegrityError:
+    return RolloutIntegrityError(
+        f"rewards: reward function '{name}' returned {value} for completion {row}; return a finite number (or None "
+        "when the function does not apply)."
+    )
+
+
+def _too_large_reward(name: str, value: str, row: int) -> RolloutIntegrityError:
+    return RolloutIntegrityError(
+        f"rewards: reward function '{name}' returned {value} for completion {row}; rewards beyond "
+        f"±{MAX_ABS_REWARD:.0e} overflow the group's standard deviation (float32), which makes every advantage 0: "
+        "scale the reward down (e.g. to [-1, 1])."
+    )
+
+
 def check_rewards(rewards_per_func: torch.Tensor, num_completions: int, reward_func_names: Sequence[str]) -> None:
     """One finite reward (at most `MAX_ABS_REWARD` in size) per completion from at least one reward function (NaN =
     "this function does not apply")."""
@@ -37,18 +54,11 @@ def check_rewards(rewards_per_func: torch.Tensor, num_completions: int, reward_f
     infinite = torch.isinf(rewards_per_func)
     if infinite.any():
         row, col = (int(i) for i in infinite.nonzero()[0])
-        raise RolloutIntegrityError(
-            f"rewards: reward function '{reward_func_names[col]}' returned {rewards_per_func[row, col].item()} for "
-            f"completion {row}; return a finite number (or None when the function does not apply)."
-        )
+        raise _infinite_reward(reward_func_names[col], rewards_per_func[row, col].item(), row)
     huge = rewards_per_func.abs() > MAX_ABS_REWARD
     if huge.any():
         row, col = (int(i) for i in huge.nonzero()[0])
-        raise RolloutIntegrityError(
-            f"rewards: reward function '{reward_func_names[col]}' returned {rewards_per_func[row, col].item():.3g} for "
-            f"completion {row}; rewards beyond ±{MAX_ABS_REWARD:.0e} overflow the group's standard deviation (float32), "
-            "which makes every advantage 0: scale the reward down (e.g. to [-1, 1])."
-        )
+        raise _too_large_reward(reward_func_names[col], f"{rewards_per_func[row, col].item():.3g}", row)
     unscored = torch.isnan(rewards_per_func).all(dim=1)
     if unscored.any():
         row = int(unscored.nonzero()[0])
@@ -73,8 +83,10 @@ def check_weighted_total(rewards_per_func: torch.Tensor, reward_weights: torch.T
 
 
 def check_reward_values(values: Any, name: str) -> None:
-    """A reward function returns a sequence of numbers (None where it does not apply): anything else would reach TRL
-    as an error that does not name the function (`too many dimensions 'str'`, `'NoneType' object is not iterable`)."""
+    """A reward function returns a sequence of numbers (None where it does not apply), each finite and within
+    `MAX_ABS_REWARD`: anything else would reach TRL as an error that does not name the function (`too many dimensions
+    'str'`, `'NoneType' object is not iterable`, `OverflowError` for `10**400`). The size is compared before TRL's
+    float32 cast, which rounds rewards up to about 1.00000002e15 down to 1e15 itself."""
     if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray | torch.Tensor):
         raise TypeError(
             f"reward function {name!r} returned {type(values).__name__} {values!r:.60}; return a list with one float "
@@ -86,6 +98,19 @@ def check_reward_values(values: Any, name: str) -> None:
                 f"reward function {name!r} returned {type(value).__name__} {value!r:.60} for completion {index}; "
                 "return a float per completion (None where the function does not apply)."
             )
+        number = value.item() if isinstance(value, torch.Tensor) else value
+        if number is not None and abs(number) == math.inf:
+            raise _infinite_reward(name, float(number), index)
+        if number is not None and abs(number) > MAX_ABS_REWARD:  # exact for any int; NaN (does not apply) is not
+            raise _too_large_reward(name, _as_text(number), index)
+
+
+def _as_text(number: numbers.Real) -> str:
+    """A reward as returned, told apart from the bound (`1000000010000000.0`, not `1e+15`; an int past float64's range:
+    `1.000e+400`)."""
+    if isinstance(number, numbers.Integral):
+        return str(int(number)) if abs(number) < 10**20 else f"{Decimal(int(number)):.3e}"
+    return repr(float(number))
 
 
 def _is_real_scalar_tensor(value: Any) -> bool:

@@ -1,4 +1,6 @@
-"""Rows of a dataset column that hold nothing: null, a string of spaces, an empty list, or messages with no text.
+"""Rows of a dataset column that hold nothing: null, a string of spaces, an empty list, messages with no text, or a
+number that is not finite (NaN is how pandas and `Dataset.from_dict` keep a missing number; as text it would become
+the ground truth `'nan'`).
 
 Computed on the Arrow column, not on Python objects: DAPO-Math-17k's hub copy has 1.79 million rows, whose prompts as
 Python lists of messages would take gigabytes; a column of another kind (a list, a torch dataset) is read row by row.
@@ -6,6 +8,8 @@ Python lists of messages would take gigabytes; a column of another kind (a list,
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +20,9 @@ from datasets import Dataset
 
 
 def is_blank(value: Any) -> bool:
-    """None, a string of spaces, or a list (of messages) with no message holding text."""
+    """None, a string of spaces, a list (of messages) with no message holding text, or a number that is not finite."""
+    if isinstance(value, numbers.Real):
+        return not math.isfinite(value)
     if isinstance(value, str):
         return not value.strip()
     if isinstance(value, list):
@@ -44,8 +50,10 @@ def _blank_arrow(column: pa.Array) -> np.ndarray | None:
         parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
         texts = np.bincount(parents[holding_text], minlength=len(column))
         return texts == 0
-    if pa.types.is_integer(column.type) or pa.types.is_floating(column.type):
+    if pa.types.is_integer(column.type):
         return pc.is_null(column).to_numpy(zero_copy_only=False)
+    if pa.types.is_floating(column.type):
+        return pc.invert(pc.is_finite(column)).fill_null(True).to_numpy(zero_copy_only=False)
     return None
 
 

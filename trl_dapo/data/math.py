@@ -41,14 +41,14 @@ def _missing(columns: list[str], need: str) -> ValueError:
 
 def _check_rows(dataset: Dataset, column: str, field: str | None = None) -> None:
     """Every row holds a value in `column` (its `field`): a null question would become the text "None", a null answer
-    a ground truth no completion can match."""
+    a ground truth no completion can match, a NaN one the text "nan"."""
     blank = blank_rows(dataset, column, field)
     if blank:
         name = column if field is None else f"{column}.{field}"
         more = f" (and {len(blank) - 1} more: rows {blank[1:6]}{'...' if len(blank) > 6 else ''})" if blank[1:] else ""
         raise ValueError(
-            f"math dataset: row {blank[0]}{more} has no value in column {name!r} (null or empty); drop such rows "
-            "before loading (e.g. `dataset.filter(...)`) or fill them in."
+            f"math dataset: row {blank[0]}{more} has no value in column {name!r} (null, empty, NaN or infinite); drop "
+            "such rows before loading (e.g. `dataset.filter(...)`) or fill them in."
         )
 
 

@@ -8,7 +8,16 @@ per process; calls from several threads take turns on it, so a verdict never dep
 
 The worker is a plain Python process running this file, not a `multiprocessing` child: those re-import the caller's
 main script, which a training script without an `if __name__ == "__main__":` guard would run again. It imports
-neither this package (torch, TRL) nor anything beside this file (a `math.py` sits here), only math-verify.
+neither this package (torch, TRL) nor anything beside this file (a `math.py` sits here), only math-verify. It starts
+isolated (`python -I`): `python -c` put the current folder first on its path, so a `json.py` there ran in the worker
+though the caller never imported it. Its path is then the caller's own less relative entries (the current folder), so
+math-verify is found wherever the caller finds it (a virtual environment, an editable install, the user's site
+folder, `PYTHONPATH`).
+
+A process forked while another thread waits on the worker (a `DataLoader` worker, `multiprocessing` with fork) copied
+the lock held and the parent's pipes: the child's first call blocked forever. After a fork the child forgets both
+(`os.register_at_fork`) and starts its own worker; the pipes are unbuffered, so closing the child's copies sends the
+parent's worker nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import select
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 START_TIMEOUT = 120.0  # seconds for the worker to import math-verify (sympy): not counted against any answer
@@ -47,30 +57,44 @@ def _serve() -> None:
         print(json.dumps(same), flush=True)
 
 
+def _worker_command() -> list[str]:
+    """This file run by an isolated interpreter whose path is the caller's absolute entries (`''` and other relative
+    ones name the current folder)."""
+    path = [entry for entry in sys.path if os.path.isabs(entry)]
+    file = str(Path(__file__).resolve())
+    return [
+        sys.executable,
+        "-I",
+        "-c",
+        f"import sys, runpy; sys.path[:] = {path!r}; runpy.run_path({file!r}, run_name='__main__')",
+    ]
+
+
 class EquivalenceWorker:
-    """A math-verify worker process, started on first use and again after a timeout; safe to call from any thread."""
+    """A math-verify worker process, started on first use and again after a timeout (or in a forked child); safe to
+    call from any thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
-        self._owner = os.getpid()  # a forked child must not share the parent's pipes: it starts its own worker
+        _WORKERS.add(self)
 
     def _start(self) -> subprocess.Popen:
-        run = f"import runpy; runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')"
-        process = subprocess.Popen(
-            [sys.executable, "-c", run], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
+        process = subprocess.Popen(_worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         if self._read(process, START_TIMEOUT) != READY:
             self._end(process)
-            raise RuntimeError(f"the math-verify worker ({sys.executable} {__file__}) did not start.")
+            raise RuntimeError(
+                f"the math-verify worker ({sys.executable} -I {__file__}) did not start: math-verify must import in "
+                "this interpreter (`pip install math-verify`)."
+            )
         return process
 
     @staticmethod
     def _read(process: subprocess.Popen, timeout: float) -> str | None:
         """The worker's next line, or None when none came within `timeout` seconds (or it exited)."""
         ready, _, _ = select.select([process.stdout], [], [], max(timeout, 0.0))
-        line = process.stdout.readline() if ready else ""
-        return line.strip() or None
+        line = process.stdout.readline() if ready else b""
+        return line.decode().strip() or None
 
     @staticmethod
     def _end(process: subprocess.Popen) -> None:
@@ -85,18 +109,21 @@ class EquivalenceWorker:
             self._ensure_started()
 
     def _ensure_started(self) -> None:
-        if self._owner != os.getpid():
-            self._process, self._owner = None, os.getpid()
         if self._process is None or self._process.poll() is not None:
             self._process = self._start()
+
+    def _send(self, request: str) -> None:
+        """One request line to the worker, whole (an unbuffered pipe may take part of it per write)."""
+        data = (request + "\n").encode()
+        while data:
+            data = data[self._process.stdin.write(data) :]
 
     def equivalent(self, answer: str, ground_truth: str, timeout: float) -> bool | None:
         """Whether math-verify finds `answer` equal to `ground_truth`; None when it took more than `timeout`
         seconds (counted from when the worker has the question, not while another thread's question runs)."""
         with self._lock:
             self._ensure_started()
-            self._process.stdin.write(json.dumps([answer, ground_truth]) + "\n")
-            self._process.stdin.flush()
+            self._send(json.dumps([answer, ground_truth]))
             verdict = self._read(self._process, timeout)
             if verdict is None:
                 self._end(self._process)
@@ -109,6 +136,26 @@ class EquivalenceWorker:
             if self._process is not None:
                 self._end(self._process)
                 self._process = None
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: a new lock (the parent's may have been copied held) and no worker (the parent's pipes,
+        closed here in the child only)."""
+        self._lock = threading.Lock()
+        if self._process is not None:
+            self._process.stdin.close()
+            self._process.stdout.close()
+            self._process = None
+
+
+_WORKERS: weakref.WeakSet[EquivalenceWorker] = weakref.WeakSet()
+
+
+def _forget_workers_after_fork() -> None:
+    for worker in _WORKERS:
+        worker.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_forget_workers_after_fork)
 
 
 if __name__ == "__main__":

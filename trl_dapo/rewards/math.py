@@ -2,7 +2,8 @@
 
 As the reference recipe: only the last 300 characters are searched, and the last `Answer:` match counts. Equality is
 an exact match of normalised strings or math-verify's (symbolic: `1/2` = `\\frac{1}{2}` = `0.5`). A completion that
-cannot be scored gets -1 and is counted, never raised; a missing ground truth (None, empty) matches nothing.
+cannot be scored gets -1 and is counted, never raised; a missing ground truth (None, empty, NaN or an infinite number:
+what a dataset holds for a missing number) matches nothing.
 
 Model output is untrusted text, so math-verify's time is bounded, the same in any thread: an answer too costly to
 evaluate (`safe_expression.py`) is string-matched only; any other gets math-verify for at most `ANSWER_TIMEOUT`
@@ -13,6 +14,8 @@ the answers left past it are string-matched, with a warning. `math/undecided_rat
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -71,8 +74,11 @@ def _text(completion: Any) -> str:
 
 
 def is_missing(ground_truth: Any) -> bool:
-    """No ground truth (None, or nothing left once normalised): no answer can match it, `Answer: None` included."""
-    return ground_truth is None or normalize(str(ground_truth)) == ""
+    """No ground truth (None, nothing left once normalised, or NaN, an infinite number, or the text `nan`): no answer
+    can match it, `Answer: None` and `Answer: nan` included."""
+    if isinstance(ground_truth, numbers.Real) and not math.isfinite(ground_truth):
+        return True
+    return ground_truth is None or normalize(str(ground_truth)).lower() in ("", "nan")
 
 
 class Score(NamedTuple):
@@ -82,7 +88,8 @@ class Score(NamedTuple):
 
 
 def score_answer(completion: Any, ground_truth: str | None, timeout: float = ANSWER_TIMEOUT) -> Score:
-    """+1/-1 (always -1 against a missing ground truth), with math-verify given at most `timeout` seconds."""
+    """+1/-1 (always -1 against a missing ground truth, `is_missing`), with math-verify given at most `timeout`
+    seconds."""
     answer = extract_answer(_text(completion))
     if answer is None:
         return Score(INCORRECT, False, True)

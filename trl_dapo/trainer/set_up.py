@@ -20,6 +20,7 @@ from datasets import IterableDataset
 from torch import nn
 from trl.trainer.utils import get_callable_name, get_config_model_id
 
+from ..rewards.columns import check_reward_columns
 from ..rewards.overlong import OVERLONG_REWARD_NAME
 from ..text import plural
 from .collection import check_rollout_precision, collection_strategy, unusable_engine, why_settings_rule_out_engine
@@ -56,10 +57,16 @@ def filter_column(metric: str | None, names: Sequence[str]) -> int | None:
 
 
 def check_datasets(
-    args: DAPOConfig, train_dataset: Any, eval_dataset: Any, processes: int, prompts_from_environment: bool
+    args: DAPOConfig,
+    train_dataset: Any,
+    eval_dataset: Any,
+    processes: int,
+    prompts_from_environment: bool,
+    reward_funcs: Sequence[tuple[str, Any]] = (),
 ) -> None:
     """Prompts must be there (each row's too), enough for one generation batch (the sampler yields whole generation batches only, so
-    a smaller set would train 0 steps), and an evaluation set must not be empty (it would evaluate on 0 samples)."""
+    a smaller set would train 0 steps), and an evaluation set must not be empty (it would evaluate on 0 samples); the
+    `(name, function)` reward functions find the columns they require (`rewards/columns.py`)."""
     named = {"train_dataset": train_dataset} if train_dataset is not None else {}
     evaluated = eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]
     for key, dataset in evaluated:
@@ -82,6 +89,8 @@ def check_datasets(
                 )
             if columns is not None and hasattr(dataset, "__len__"):  # a stream's prompts are checked per batch
                 check_dataset_prompts(name, dataset)
+            if columns is not None:
+                check_reward_columns(reward_funcs, name, columns)
     if train_dataset is None:
         return
     needed = args.generation_batch_size // args.num_generations
@@ -129,7 +138,9 @@ def check_set_up(
             raise unusable_engine(args.rollout_engine, reason)
     check_rollout_precision(args, rollout_func, calls_tools)
     collection_strategy(args).check(args, _as_list(reward_funcs), names, rollout_func, calls_tools)
-    check_datasets(args, train_dataset, eval_dataset, args.world_size, environment_factory is not None)
+    # the overlong penalty, named last, reads no column; a rollout_func may hand the reward functions fields of its own
+    functions = list(zip(names, _as_list(reward_funcs), strict=False)) if rollout_func is None else []
+    check_datasets(args, train_dataset, eval_dataset, args.world_size, environment_factory is not None, functions)
     check_output_dir(args)
 
 
