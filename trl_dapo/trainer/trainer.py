@@ -20,16 +20,19 @@ token-mean, dynamic sampling and padding-free training. It keeps TRL's hooks and
 - `log`: `dapo/skipped_steps` and `dapo/nonfinite_steps` as the counts they are. `_save_checkpoint` /
   `_load_optimizer_and_scheduler`: the buffer's surplus, every rank's carried groups (partial rollouts), the prompt
   stream's position and the skipped-step counts; inside a generation batch, each rank's micro-batches still to train;
-  written before the Trainer's files, so no older checkpoint is deleted before a new one is complete
-  (`checkpoint_files.py`).
+  written before the Trainer's files, then a manifest of every file, all synced, and only then are older checkpoints
+  deleted (`checkpoint_files.py`, `checkpoint_manifest.py`); resumed weights checked finite.
+- `_run_epoch`: nothing for a run resumed at or past `max_steps`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -334,25 +337,30 @@ class DAPOTrainer(GRPOTrainer):
         self.finite_steps.check_weights(self.model, self.state.global_step)
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save and os.path.isdir(folder):  # an interrupted save of this step: none of it is kept
+        if self.args.should_save and os.path.isdir(folder):  # this step's, saved before: none of it is listed anew
             shutil.rmtree(folder)
         self.accelerator.wait_for_everyone()
         if position := self._step % self._generate_every():  # inside a generation batch
             save_generation_batch(folder, self.accelerator, position, self._buffered_inputs)
         self._save_sampling_state(folder)
-        self.accelerator.wait_for_everyone()  # every rank's files are written before the main one deletes any
-        args = self.args
-        self.args = copy.copy(args)  # the Trainer's save deletes older checkpoints: not before the manifest
-        self.args.save_total_limit = None
-        try:
-            with full_disk_named(folder):
-                super()._save_checkpoint(model, trial)
-        finally:
-            self.args = args
+        with full_disk_named(folder), self._older_checkpoints_kept():
+            super()._save_checkpoint(model, trial)
         self.accelerator.wait_for_everyone()  # every rank's files are written before the manifest lists them
         if self.args.should_save:
             write_manifest(folder)
-            rotate_checkpoints(run_dir, args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+
+    @contextlib.contextmanager
+    def _older_checkpoints_kept(self) -> Iterator[None]:
+        """The Trainer's save ends deleting older checkpoints (`save_total_limit`): while it runs, the trainer's own
+        `args` (a copy of the caller's) are swapped for a copy without the limit, so they go only after the manifest."""
+        args = self.args
+        self.args = copy.copy(args)
+        self.args.save_total_limit = None
+        try:
+            yield
+        finally:
+            self.args = args
 
     def _save_sampling_state(self, folder: str) -> None:
         """The buffer's surplus, every rank's carried groups, the prompt stream's position and the skipped-step counts
