@@ -436,3 +436,17 @@ def test_the_tiny_multi_gpu_bench_writes_outside_the_repository_unless_told():
     measured = output_path(None, tiny=False, rollout=True, device="cuda", scratch=scratch)
     assert measured == ROOT / "benchmarks" / "results" / "bench_multi_gpu_rollout_cuda.json"
     assert output_path("here.json", tiny=True, rollout=False, device="cpu", scratch=scratch) == Path("here.json")
+
+
+def test_bench_checkpoint_save_tiny_extrapolates_to_a_7b_save(tmp_path):
+    """Qwen2.5-7B (configs/qwen2.5-7b.json: untied 152,064 x 3,584 embeddings, 28 layers) has 7,615,616,512
+    parameters: its save at 6 bytes a parameter is 45,693,699,072 bytes; each measure's 7B time is its file time
+    scaled by that size."""
+    stdout, results = run_tiny("bench_checkpoint_save", tmp_path)
+    assert results["saved_7b_bytes"] == 7_615_616_512 * 6
+    assert results["bytes"] >= 8 * 2**20  # the tensor, plus torch.save's few hundred bytes
+    assert set(results["seconds"]) == {"save_and_fsync", "sha256", "crc32"}
+    assert all(math.isfinite(s) and s >= 0 for s in results["seconds"].values())
+    seconds = results["seconds"]["sha256"]
+    assert f"| sha256 | {seconds:.3f} | " in stdout
+    assert f"| {results['saved_7b_bytes'] / results['bytes'] * seconds:.1f} |" in stdout

@@ -158,3 +158,26 @@ def test_the_resumed_epoch_reaches_the_sampler_under_accelerates_wrappers(proces
     set_resumed_epoch(skipping, 2)
     skipping.set_epoch(2)  # as the Trainer does next
     assert list(sampler) == uninterrupted[2] != uninterrupted[0]
+
+
+def folder_bytes(folder):
+    return {path.relative_to(folder): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_a_finished_run_restarted_trains_nothing_and_keeps_its_last_checkpoint(tiny_model, tmp_path, caplog):
+    """A job scheduler restarting a finished job: its newest checkpoint is at max_steps, inside an epoch (20 steps
+    here). The Trainer trained step 3 and, with save_total_limit=1, deleted checkpoint-2. Now nothing is trained and
+    checkpoint-2 stays as it was, with a warning saying so; a max_steps below the checkpoint's step is the same."""
+    make_trainer(tiny_model, tmp_path, save_total_limit=1).train()
+    saved = folder_bytes(tmp_path / "checkpoint-2")
+    for max_steps in (2, 1):
+        restarted = make_trainer(tiny_model, tmp_path, save_total_limit=1, max_steps=max_steps)
+        with caplog.at_level(logging.WARNING, logger="trl_dapo"):
+            restarted.train(resume_from_checkpoint=True)
+        assert restarted.state.global_step == 2 and steps_logged(restarted) == [1, 2]
+        assert sorted(path.name for path in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
+        assert folder_bytes(tmp_path / "checkpoint-2") == saved
+        assert (
+            f"resume_from_checkpoint={str(tmp_path / 'checkpoint-2')!r} is at step 2, at or past max_steps="
+            f"{max_steps}: nothing is trained" in caplog.text
+        )

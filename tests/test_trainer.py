@@ -32,6 +32,7 @@ from trl_dapo.testing import ScriptedRollout
 from trl_dapo.trainer.collection.collect import RoundProgress
 from trl_dapo.trainer.collection.round import RoundContext, RoundScores
 from trl_dapo.trainer.safety.checkpoint_files import GENERATION_BATCH_FILE
+from trl_dapo.trainer.safety.checkpoint_manifest import MANIFEST_FILE, write_manifest
 from trl_dapo.trainer.set_up import check_datasets
 from trl_dapo.trainer.trainer import SAMPLING_STATE_FILE
 from trl_dapo.trainer.training.batch_metrics import trained_batch_metric_names
@@ -957,7 +958,9 @@ def test_a_run_resumed_inside_a_generation_batch_equals_the_uninterrupted_run(ti
 )
 def test_an_unreadable_checkpoint_file_is_named_with_the_ways_to_go_on(tiny_model, tmp_path, damage):
     """torch's own error for these advises `weights_only=False`, which runs whatever the file holds: the error names
-    the file and the checkpoint, says it cannot be read and how to resume without it, and shows nothing of torch's."""
+    the file and the checkpoint, says it cannot be read and how to resume without it, and shows nothing of torch's.
+    The manifest is written again after each damage: a file it vouches for that cannot be read all the same (one
+    above its checksum limit damaged in place, or a checkpoint saved before manifests)."""
     settings = dict(
         scripted=True, gradient_accumulation_steps=2, steps_per_generation=4, max_steps=1, save_strategy="steps"
     )
@@ -969,6 +972,7 @@ def test_an_unreadable_checkpoint_file_is_named_with_the_ways_to_go_on(tiny_mode
     ]:
         original = (checkpoint / name).read_bytes()
         damage(checkpoint / name)
+        write_manifest(checkpoint)
         resumed = make_trainer(tiny_model, tmp_path / "resumed", **{**settings, "max_steps": 2})
         with pytest.raises(RuntimeError) as error:
             resumed.train(resume_from_checkpoint=str(checkpoint))
@@ -976,16 +980,18 @@ def test_an_unreadable_checkpoint_file_is_named_with_the_ways_to_go_on(tiny_mode
         assert message.startswith(f"{name} of resume_from_checkpoint={str(checkpoint)!r} cannot be read (")
         assert way_on in message and "weights_only" not in message and error.value.__suppress_context__
         (checkpoint / name).write_bytes(original)
+        write_manifest(checkpoint)
 
 
 def test_resuming_a_checkpoint_without_the_sampling_state_is_refused_with_dynamic_sampling(tiny_model, tmp_path):
-    """A checkpoint without the sampling state (a GRPOTrainer's) would restart the surplus, the extra-prompt stream
-    and the skipped-step count from zero: refused before training with dynamic sampling, which keeps them; resumed
-    without it, which has none."""
+    """A checkpoint without the sampling state (a GRPOTrainer's, which has no manifest either) would restart the
+    surplus, the extra-prompt stream and the skipped-step count from zero: refused before training with dynamic
+    sampling, which keeps them; resumed without it, which has none."""
     settings = dict(scripted=True, max_steps=1, save_strategy="steps", save_steps=1)
     make_trainer(tiny_model, tmp_path / "saved", **settings).train()
     checkpoint = tmp_path / "saved" / "checkpoint-1"
     (checkpoint / SAMPLING_STATE_FILE).unlink()
+    (checkpoint / MANIFEST_FILE).unlink()
     resumed = make_trainer(tiny_model, tmp_path / "resumed", **settings)
     with pytest.raises(
         FileNotFoundError,

@@ -33,6 +33,7 @@ READ_AT_THE_BOUNDARY = [
     "_metrics",
     "_name",
     "_prepare_inputs",
+    "_run_epoch",
     "_save_checkpoint",
     "_step",
     "_tag_names",

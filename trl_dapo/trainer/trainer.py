@@ -20,20 +20,26 @@ token-mean, dynamic sampling and padding-free training. It keeps TRL's hooks and
 - `log`: `dapo/skipped_steps` and `dapo/nonfinite_steps` as the counts they are. `_save_checkpoint` /
   `_load_optimizer_and_scheduler`: the buffer's surplus, every rank's carried groups (partial rollouts), the prompt
   stream's position and the skipped-step counts; inside a generation batch, each rank's micro-batches still to train;
-  written before the Trainer's files, so no older checkpoint is deleted before a new one is complete
-  (`checkpoint_files.py`).
+  written before the Trainer's files, then a manifest of every file, all synced, and only then are older checkpoints
+  deleted (`checkpoint_files.py`, `checkpoint_manifest.py`); resumed weights checked finite.
+- `_run_epoch`: nothing for a run resumed at or past `max_steps`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import os
+import shutil
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
 from accelerate.utils import gather_object
 from torch import nn
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, TrainOutput
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, TrainOutput, rotate_checkpoints
 from trl import GRPOTrainer
 
 from ..gguf import gguf_model_for_trainer
@@ -56,12 +62,15 @@ from .safety import (
     SAMPLING_STATE_FILE,
     EpochOrder,
     FiniteSteps,
+    checkpoint_to_resume,
+    full_disk_named,
     load_checkpoint_file,
     load_generation_batch,
-    newest_complete_checkpoint,
+    sampling_state_path,
     save_checkpoint_file,
     save_generation_batch,
     set_resumed_epoch,
+    write_manifest,
 )
 from .set_up import check_set_up, filter_column
 from .training import (
@@ -293,11 +302,12 @@ class DAPOTrainer(GRPOTrainer):
         """The Trainer's, with the model's attention switched for padding-free passes only while it runs.
         `resume_from_checkpoint=True` resumes from the newest complete checkpoint (the Trainer takes the highest
         number, which a killed save leaves incomplete), and starts from step 0 where there is none; both with a
-        warning."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint, warning = newest_complete_checkpoint(self.args.output_dir)
-            if warning is not None and self.accelerator.is_main_process:
-                logger.warning(warning)
+        warning. A checkpoint path that is incomplete is refused with the reason (`checkpoint_files.py`)."""
+        resume_from_checkpoint, warnings = checkpoint_to_resume(
+            resume_from_checkpoint, self.args.output_dir, self._resume_files()
+        )
+        for warning in warnings if self.accelerator.is_main_process else []:
+            logger.warning(warning)
         with self.passes.attention():
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
@@ -305,6 +315,21 @@ class DAPOTrainer(GRPOTrainer):
         """The Trainer's (`evaluate`, `predict`), its scoring passes packed as training's are."""
         with self.passes.attention():
             return super().evaluation_loop(*args, **kwargs)
+
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's, but nothing for a run resumed at or past `max_steps` (a finished job restarted): the
+        Trainer would train one step more before it checks, and with `save_total_limit` delete the last checkpoint."""
+        if self.state.global_step < self.state.max_steps:
+            super()._run_epoch(*args, **kwargs)
+
+    def _resume_files(self) -> tuple[str, ...]:
+        """The Trainer's files a resume reads on this set-up (DeepSpeed and FSDP keep the optimizer their own way),
+        checked in a checkpoint saved without a manifest."""
+        if self.args.save_only_model:
+            return ()
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return ("rng_state*.pth",)
+        return (OPTIMIZER_NAME, SCHEDULER_NAME, "rng_state*.pth")
 
     # ---------------------------------------------------------------------------------------------------- loss
 
@@ -321,14 +346,41 @@ class DAPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------- checkpoints
 
     def _save_checkpoint(self, model, trial):
-        """DAPO's files first, then the Trainer's: it writes trainer_state.json last and only then deletes older
-        checkpoints, so none goes before the new one is complete (`checkpoint_files.py`). Never non-finite weights."""
+        """DAPO's files first, then the Trainer's, then the manifest of them all, each synced: only then are older
+        checkpoints deleted, so none goes before the new one is complete (`checkpoint_files.py`). Never non-finite
+        weights; a full disk is an error naming the checkpoint."""
         self.finite_steps.check_weights(self.model, self.state.global_step)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save and os.path.isdir(folder):  # this step's, saved before: none of it is listed anew
+            shutil.rmtree(folder)
+        self.accelerator.wait_for_everyone()
         if position := self._step % self._generate_every():  # inside a generation batch
             save_generation_batch(folder, self.accelerator, position, self._buffered_inputs)
+        self._save_sampling_state(folder)
+        with full_disk_named(folder), self._older_checkpoints_kept():
+            super()._save_checkpoint(model, trial)
+        self.accelerator.wait_for_everyone()  # every rank's files are written before the manifest lists them
+        if self.args.should_save:
+            write_manifest(folder)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+
+    @contextlib.contextmanager
+    def _older_checkpoints_kept(self) -> Iterator[None]:
+        """The Trainer's save ends deleting older checkpoints (`save_total_limit`): while it runs, the trainer's own
+        `args` (a copy of the caller's) are swapped for a copy without the limit, so they go only after the manifest."""
+        args = self.args
+        self.args = copy.copy(args)
+        self.args.save_total_limit = None
+        try:
+            yield
+        finally:
+            self.args = args
+
+    def _save_sampling_state(self, folder: str) -> None:
+        """The buffer's surplus, every rank's carried groups, the prompt stream's position and the skipped-step counts
+        (gathered by every rank, written by the main one)."""
         carried = self.collector.carried
-        # every rank's carried groups (each rank holds its own), gathered by every rank, written by the main one
         every_rank = gather_object([carried.state_dict()]) if carried is not None else None
         if self.args.should_save:
             state = {
@@ -337,24 +389,16 @@ class DAPOTrainer(GRPOTrainer):
                 "skipped_steps": self.passes.skipped_steps,
                 "nonfinite_steps": self.finite_steps.skipped_steps,
                 "carried": every_rank,
+                "writes_manifest": True,  # this folder without its manifest is a save interrupted
             }
             os.makedirs(folder, exist_ok=True)
             save_checkpoint_file(state, os.path.join(folder, SAMPLING_STATE_FILE))
-        self.accelerator.wait_for_everyone()  # every rank's files are written before the main one deletes any
-        super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        path = os.path.join(checkpoint, SAMPLING_STATE_FILE) if checkpoint else None
-        if path and not os.path.exists(path) and (self.args.dynamic_sampling or self.args.partial_rollouts):
-            raise FileNotFoundError(
-                f"resume_from_checkpoint={checkpoint!r} has no {SAMPLING_STATE_FILE} (a GRPOTrainer checkpoint, or "
-                "not saved by DAPOTrainer): with dynamic_sampling=True or partial_rollouts=True, resuming would "
-                "restart the surplus and carried groups, the extra-prompt stream (its prompts drawn again from the "
-                "start) and dapo/skipped_steps from zero. Resume from a checkpoint DAPOTrainer saved, start a new run "
-                "from its weights (model=<the checkpoint folder>), or resume with dynamic_sampling=False and "
-                "partial_rollouts=False."
-            )
+        path = sampling_state_path(checkpoint, self.args.dynamic_sampling or self.args.partial_rollouts)
         super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint:
+            self._check_resumed(checkpoint)
         if path and os.path.exists(path):
             state = load_checkpoint_file(
                 path,
@@ -374,6 +418,19 @@ class DAPOTrainer(GRPOTrainer):
         saved = load_generation_batch(checkpoint, self.accelerator, inside_batch) if checkpoint else None
         if saved is not None:  # train the rest of the saved generation batch before the next is generated
             self._buffered_inputs, self._step = saved
+
+    def _check_resumed(self, checkpoint: str) -> None:
+        """Refuse non-finite weights now (sampling would fail on them with "probability tensor contains inf/nan"),
+        and say where the resumed run is at or past `max_steps`: nothing is trained (`_run_epoch`)."""
+        self.finite_steps.check_resumed_weights(self.model, checkpoint)
+        if self.state.global_step >= self.state.max_steps and self.accelerator.is_main_process:
+            logger.warning(
+                "resume_from_checkpoint=%r is at step %d, at or past max_steps=%d: nothing is trained, and the "
+                "checkpoint is kept. Raise max_steps to train further.",
+                checkpoint,
+                self.state.global_step,
+                self.state.max_steps,
+            )
 
     def _load_carried(self, every_rank: list[dict] | None, checkpoint: str) -> None:
         """Each rank's carried groups back from the checkpoint (dealt anew on another number of ranks); a checkpoint

@@ -5,12 +5,14 @@ the trainer's side imports it."""
 
 from .checkpoint_files import (
     SAMPLING_STATE_FILE,
+    checkpoint_to_resume,
     load_checkpoint_file,
     load_generation_batch,
-    newest_complete_checkpoint,
+    sampling_state_path,
     save_checkpoint_file,
     save_generation_batch,
 )
+from .checkpoint_manifest import full_disk_named, write_manifest
 from .epoch_order import EpochOrder, set_resumed_epoch
 from .finite_steps import FiniteSteps
 
@@ -18,10 +20,13 @@ __all__ = [
     "SAMPLING_STATE_FILE",
     "EpochOrder",
     "FiniteSteps",
+    "checkpoint_to_resume",
+    "full_disk_named",
     "load_checkpoint_file",
     "load_generation_batch",
-    "newest_complete_checkpoint",
+    "sampling_state_path",
     "save_checkpoint_file",
     "save_generation_batch",
     "set_resumed_epoch",
+    "write_manifest",
 ]

@@ -2,20 +2,25 @@
 checkpoint `resume_from_checkpoint=True` resumes from.
 
 `dapo_sampling_state.pt` (the trainer writes it) holds the dynamic-sampling surplus, the extra-prompt stream's
-position and the skipped-step count. A checkpoint saved inside a generation batch (`steps_per_generation` larger than
-`gradient_accumulation_steps`, a save step inside it) also holds, per process, the micro-batches that process has yet
-to train: resumed, the run trains them before it generates the next batch, as the run that saved them would have.
+position, the skipped-step counts and that its save writes a manifest. A checkpoint saved inside a generation batch
+(`steps_per_generation` larger than `gradient_accumulation_steps`, a save step inside it) also holds, per process,
+the micro-batches that process has yet to train: resumed, the run trains them before it generates the next batch,
+as the run that saved them would have.
 Every file is read with `weights_only=True`; one that cannot be read is an error naming it, never a suggestion to
 load it unsafely.
 
-A save can be killed half-way. DAPO's files are written before the Trainer's and each reaches its name only once
-written whole (a temporary name, then a rename); the Trainer writes `trainer_state.json` after its other files and
-only then deletes older checkpoints (`save_total_limit`). So a checkpoint with a readable `trainer_state.json` and the
-sampling state holds every file a resume reads, and an older one is never deleted before a newer one is complete.
+A save can be killed half-way, or the power lost. DAPO's files are written first, each under a temporary name renamed
+once written whole and synced; then the Trainer's; then the manifest of every file (`checkpoint_manifest.py`), the
+files and folder synced before it; only then are older checkpoints deleted (`save_total_limit`). So a checkpoint is
+complete when its files match its manifest, and an older one is never deleted before a newer one is complete. A
+checkpoint saved before manifests existed (an earlier trl-dapo, or TRL's Trainer) is checked by name: a
+`trainer_state.json` holding a Trainer state and the files a resume reads; one whose sampling state says its save
+writes a manifest, found without it, was interrupted.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -26,6 +31,7 @@ from accelerate import Accelerator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..training import MicroBatch, micro_batch_states, micro_batches_from_states
+from .checkpoint_manifest import MANIFEST_FILE, fsync_path, full_disk_named, manifest_mismatches, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -35,50 +41,80 @@ TRAINER_STATE_FILE = "trainer_state.json"  # the Trainer's, written after its ot
 
 
 def save_checkpoint_file(value: object, path: str) -> None:
-    """`torch.save` under a temporary name, renamed to `path` once written: a save killed half-way leaves no
-    truncated file by the name a resume reads."""
+    """`torch.save` under a temporary name, synced, renamed to `path` and the folder synced: a save killed or a power
+    lost half-way leaves no truncated file by the name a resume reads. A full disk is an error naming `path`."""
     partial = f"{path}.partial"
     try:
-        torch.save(value, partial)
+        with full_disk_named(path):
+            torch.save(value, partial)
+        fsync_path(partial)
         os.replace(partial, path)
+        fsync_path(os.path.dirname(path) or ".")
     finally:
         if os.path.exists(partial):
             os.remove(partial)
 
 
-def why_incomplete(checkpoint: str) -> str | None:
-    """What `checkpoint` lacks for a resume (a save killed before its end), or None when it is complete."""
-    state = os.path.join(checkpoint, TRAINER_STATE_FILE)
-    if not os.path.isfile(state):
-        return f"no {TRAINER_STATE_FILE}"
-    try:
-        with open(state) as file:
-            json.load(file)
-    except ValueError:
-        return f"{TRAINER_STATE_FILE} cut short"
-    if not os.path.isfile(os.path.join(checkpoint, SAMPLING_STATE_FILE)):
-        return f"no {SAMPLING_STATE_FILE}"
+def why_incomplete(checkpoint: str, resume_files: tuple[str, ...]) -> str | None:
+    """What is wrong with `checkpoint` for a resume, or None when it is complete: its files against its manifest, or,
+    saved before manifests, a Trainer state and each of `resume_files` (glob patterns) present."""
+    state = trainer_state_problem(checkpoint)
+    manifest = read_manifest(checkpoint)
+    if manifest is not None:
+        return "; ".join(manifest_mismatches(checkpoint, manifest)) or state
+    if state:
+        return state
+    missing = [pattern for pattern in resume_files if not glob.glob(os.path.join(glob.escape(checkpoint), pattern))]
+    if missing:
+        return f"no {', '.join(missing)}"
+    if _writes_manifest(checkpoint):
+        return f"no {MANIFEST_FILE}: the save was interrupted before its end"
     return None
 
 
-def newest_complete_checkpoint(output_dir: str) -> tuple[str | None, str | None]:
-    """The checkpoint `resume_from_checkpoint=True` resumes from: the highest-numbered complete one in `output_dir`,
-    or None where there is none (training starts from step 0, as a restarted job's first launch needs); and the
-    warning to log where incomplete ones were skipped or none was found."""
+def trainer_state_problem(checkpoint: str) -> str | None:
+    """What keeps `checkpoint`'s trainer_state.json from being a Trainer state, or None."""
+    path = os.path.join(checkpoint, TRAINER_STATE_FILE)
+    if not os.path.isfile(path):
+        return f"no {TRAINER_STATE_FILE}"
+    try:
+        with open(path) as file:
+            state = json.load(file)
+    except ValueError:
+        return f"{TRAINER_STATE_FILE} cut short"
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        return f"{TRAINER_STATE_FILE} holds no Trainer state (no global_step)"
+    return None
+
+
+def _writes_manifest(checkpoint: str) -> bool:
+    """Whether the save that wrote `checkpoint`'s sampling state (written first) writes a manifest last."""
+    path = os.path.join(checkpoint, SAMPLING_STATE_FILE)
+    try:
+        return os.path.isfile(path) and torch.load(path, weights_only=True).get("writes_manifest", False)
+    except Exception:  # unreadable: a save killed while writing it (before manifests: left for the load to name)
+        return False
+
+
+def newest_complete_checkpoint(output_dir: str, resume_files: tuple[str, ...]) -> tuple[str | None, str | None]:
+    """The checkpoint `resume_from_checkpoint=True` resumes from: the highest-numbered complete one in `output_dir`
+    (`why_incomplete`, with the sampling state among `resume_files`), or None where there is none (training starts
+    from step 0, as a restarted job's first launch needs); and the warning to log where incomplete ones were skipped
+    or none was found."""
     pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     numbered = sorted(((int(m.group(1)), name) for name in names if (m := pattern.match(name))), reverse=True)
     folders = [path for _, name in numbered if os.path.isdir(path := os.path.join(output_dir, name))]
     skipped = []
     for folder in folders:
-        reason = why_incomplete(folder)
+        reason = why_incomplete(folder, resume_files)
         if reason is None:
             warning = None
             if skipped:
                 warning = (
                     f"resume_from_checkpoint=True: resuming from {folder}, the newest complete checkpoint; skipped as "
-                    f"incomplete: {', '.join(skipped)}. A save was interrupted: the run overwrites that folder when "
-                    "it saves the same step again."
+                    f"incomplete: {', '.join(skipped)}. A save was interrupted or its files changed since: the run "
+                    "overwrites such a folder when it saves the same step again."
                 )
             return folder, warning
         skipped.append(f"{folder} ({reason})")
@@ -87,6 +123,48 @@ def newest_complete_checkpoint(output_dir: str) -> tuple[str | None, str | None]
     return None, (
         f"resume_from_checkpoint=True found no {kind} in output_dir={output_dir!r}{found}: training starts from step 0."
     )
+
+
+def checkpoint_to_resume(
+    requested: str | bool | None, output_dir: str, resume_files: tuple[str, ...]
+) -> tuple[str | bool | None, list[str]]:
+    """The checkpoint a resume reads and the warnings to log: with True the newest complete one in `output_dir`
+    (none: None, step 0); a path is refused with the reason where it is incomplete. `resume_files`: the Trainer's
+    files a resume reads on this set-up, checked where a checkpoint has no manifest."""
+    if requested is True:
+        checkpoint, warning = newest_complete_checkpoint(output_dir, (*resume_files, SAMPLING_STATE_FILE))
+        warnings = [warning] if warning else []
+    elif isinstance(requested, str | os.PathLike):
+        checkpoint, warnings = os.fspath(requested), []
+        if reason := why_incomplete(checkpoint, resume_files):
+            raise ValueError(
+                f"resume_from_checkpoint={checkpoint!r} is not a complete checkpoint: {reason}. Resume from another "
+                "checkpoint (resume_from_checkpoint=True takes the newest complete one in output_dir)."
+            )
+    else:
+        return requested, []
+    if checkpoint is not None and read_manifest(checkpoint) is None:
+        warnings.append(
+            f"resume_from_checkpoint={checkpoint!r} has no {MANIFEST_FILE} (saved by an earlier trl-dapo or by TRL): "
+            "its files are checked by name only, not by size."
+        )
+    return checkpoint, warnings
+
+
+def sampling_state_path(checkpoint: str | None, needed: bool) -> str | None:
+    """The checkpoint's `SAMPLING_STATE_FILE` (None without a checkpoint); its absence is an error where dynamic
+    sampling or partial rollouts would otherwise restart their state from zero."""
+    path = os.path.join(checkpoint, SAMPLING_STATE_FILE) if checkpoint else None
+    if path and needed and not os.path.exists(path):
+        raise FileNotFoundError(
+            f"resume_from_checkpoint={checkpoint!r} has no {SAMPLING_STATE_FILE} (a GRPOTrainer checkpoint, or "
+            "not saved by DAPOTrainer): with dynamic_sampling=True or partial_rollouts=True, resuming would "
+            "restart the surplus and carried groups, the extra-prompt stream (its prompts drawn again from the "
+            "start) and dapo/skipped_steps from zero. Resume from a checkpoint DAPOTrainer saved, start a new run "
+            "from its weights (model=<the checkpoint folder>), or resume with dynamic_sampling=False and "
+            "partial_rollouts=False."
+        )
+    return path
 
 
 def load_checkpoint_file(path: str, checkpoint: str, without_it: str, device: str | torch.device = "cpu") -> dict:

@@ -76,15 +76,31 @@ class FiniteSteps(TrainerCallback):
 
     def check_weights(self, model: torch.nn.Module, step: int) -> None:
         """Before a checkpoint is written: every weight finite (on every rank), or an error naming the step."""
-        local = [p.detach() for p in model.parameters() if p.numel()]
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in local]
-        finite = torch.stack([p.isfinite().all() for p in local]).all() if local else torch.tensor(True)
-        if self._any_rank(~finite)[0]:
+        if name := self._nonfinite_weight(model):
             raise FloatingPointError(
-                f"After optimizer step {step} the weights hold non-finite values (an update overflowed): no "
+                f"After optimizer step {step} the weights hold non-finite values ({name}; an update overflowed): no "
                 "checkpoint is written. Resume from the last checkpoint with a lower learning_rate, or with "
                 "max_grad_norm set."
             )
+
+    def check_resumed_weights(self, model: torch.nn.Module, checkpoint: str) -> None:
+        """Once a resumed checkpoint is loaded: every weight finite, or an error naming the checkpoint, before
+        sampling fails on them with "probability tensor contains inf/nan"."""
+        if name := self._nonfinite_weight(model):
+            raise ValueError(
+                f"resume_from_checkpoint={checkpoint!r} holds non-finite weights ({name}): the checkpoint is damaged "
+                "or was written by a run whose update overflowed. Resume from an earlier checkpoint."
+            )
+
+    def _nonfinite_weight(self, model: torch.nn.Module) -> str | None:
+        """A weight holding NaN or inf on any rank: this rank's first such parameter by name (another rank's: "a
+        parameter on another rank"), or None where every weight is finite."""
+        local = [(n, p.detach()) for n, p in model.named_parameters() if p.numel()]
+        local = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in local]
+        finite = torch.stack([p.isfinite().all() for _, p in local]).all() if local else torch.tensor(True)
+        if not self._any_rank(~finite)[0]:
+            return None
+        return next((n for n, p in local if not p.isfinite().all()), "a parameter on another rank")
 
     def _take_loss_flag(self) -> torch.Tensor:
         flag = self._loss_not_finite if self._loss_not_finite is not None else torch.tensor(False)
