@@ -7,7 +7,10 @@ import collections
 import cProfile
 import io
 import pstats
+import shutil
 import statistics
+import subprocess
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -213,3 +216,59 @@ def hardware_ceilings(device: str) -> dict:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     matmul_s = median_seconds(lambda: a @ b, repeats=20)
     return {"bf16_tflops": 2 * 8192**3 / matmul_s / 1e12, "copy_tb_per_s": copy_bandwidth(device) / 1e12}
+
+
+def device_memory_gib() -> tuple[float, float] | None:
+    """(used, total) GiB of device 0 across every process on it, from `nvidia-smi` (vLLM's engine core runs in a
+    process of its own; asking torch would make a CUDA context in this one), else from torch where this process has
+    one; None on the CPU."""
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits", "--id=0"]
+        done = subprocess.run(query, capture_output=True, text=True, timeout=10)
+        if done.returncode == 0:
+            used, total = (float(value) / 1024 for value in done.stdout.split(","))
+            return used, total
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**30, total / 2**30
+    return None
+
+
+class DeviceMemoryPeak:
+    """The peak of `device_memory_gib` polled every `interval` seconds on a thread while open: what every engine uses,
+    its own allocator's pool and preallocations included, comparable across engines that count their memory each
+    their own way (a spike shorter than the interval can be missed). `mark()` returns the peak since the last mark."""
+
+    def __init__(self, interval: float = 0.1) -> None:
+        self.interval, self.peak, self.since_mark, self.total = interval, None, None, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            reading = device_memory_gib()
+            if reading is None:
+                return
+            used, self.total = reading
+            self.peak = max(self.peak or 0.0, used)
+            self.since_mark = max(self.since_mark or 0.0, used)
+            self._stop.wait(self.interval)
+
+    def mark(self) -> float | None:
+        self._sample_now()
+        peak, self.since_mark = self.since_mark, None
+        return peak
+
+    def _sample_now(self) -> None:
+        reading = device_memory_gib()
+        if reading is not None:
+            self.since_mark = max(self.since_mark or 0.0, reading[0])
+            self.peak = max(self.peak or 0.0, reading[0])
+
+    def __enter__(self) -> DeviceMemoryPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

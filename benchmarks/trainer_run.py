@@ -58,8 +58,8 @@ def run_trainer(
     **extra,
 ) -> dict:
     """Train `warmup` + `steps` measured steps (+ one profiled step, left out of the numbers); return per-step
-    medians and means of the measured steps and their logged metrics. `kind`: "trl" or "dapo"; `extra`: DAPOConfig
-    overrides."""
+    medians and means of the measured steps and their logged metrics. `kind`: "trl" or "dapo"; `extra`: the config's
+    overrides (GRPOConfig's or DAPOConfig's)."""
     measured = range(warmup, warmup + steps)
     common = dict(
         output_dir=tempfile.mkdtemp(),
@@ -83,7 +83,7 @@ def run_trainer(
         beta=0.0,
     )
     if kind == "trl":
-        trainer_class, config = GRPOTrainer, GRPOConfig(**common)
+        trainer_class, config = GRPOTrainer, GRPOConfig(**{**common, **extra})
     else:
         dapo = dict(dynamic_sampling=False, overlong_buffer_len=0)
         trainer_class, config = DAPOTrainer, DAPOConfig(**{**common, **dapo, **extra})
