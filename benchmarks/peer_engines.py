@@ -1,6 +1,6 @@
 """The three generation engines `bench_peers.py` sets side by side, each built from one checkpoint folder for one
-shape and called the same way: `generate(prompt ids, max_new_tokens) -> Generated` (completions cut after their first
-end token, kept; the engine's logprobs of them, or None; what the engine tells of the call).
+shape and called the same way: `generate(prompt ids, max_new_tokens) -> Generated` (completions, each with its end
+token or at the cap; the engine's logprobs of them, or None; what the engine tells of the call).
 
 - `paged`: trl-dapo's `PagedRolloutEngine` on the folder's model (bf16 on CUDA), `max_rows` = the shape's rows, its
   memory budget `memory_fraction` of the device; fixed lengths with `min_new_tokens`.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,14 +39,17 @@ TAIL_SHARE = 0.25  # "few rows running": fewer than this share of the call's row
 
 @dataclass
 class Generated:
+    """A call's completions (each ends with its end token, kept, or at the cap) and what the engine tells of it. Its
+    logprobs are read out of the engine's own form by `logprobs()` after the call's clock has stopped: the engines
+    return them as their callers use them (the paged engine a device tensor, vLLM an object per token)."""
+
     completions: list[list[int]]
-    logprobs: list[list[float]] | None  # the engine's own, per completion token; None where it returns none
-    stats: dict = field(default_factory=dict)  # what the engine tells of the call
+    read_logprobs: Callable[[], list[list[float]]] | None  # None where the engine returns none
+    stats: dict = field(default_factory=dict)
 
-
-def cut_after_end(tokens: list[int], end_ids: set[int]) -> list[int]:
-    """`tokens` up to and including the first end token."""
-    return next((tokens[: i + 1] for i, token in enumerate(tokens) if token in end_ids), tokens)
+    def logprobs(self) -> list[list[float]] | None:
+        """The engine's logprob of each completion token, or None."""
+        return None if self.read_logprobs is None else self.read_logprobs()
 
 
 def end_token_ids(folder: Path) -> list[int]:
@@ -102,8 +106,10 @@ class PagedPeer:
 
         settings = TokenSampling(max_new_tokens, temperature=1.0, min_new_tokens=max_new_tokens if self.fixed else 0)
         out = self.engine.generate(prompts, settings)
-        logprobs = out.logprobs.cpu()
-        rows = [row[: len(c)].tolist() for row, c in zip(logprobs, out.completions, strict=True)]
+
+        def rows() -> list[list[float]]:
+            return [row[: len(c)].tolist() for row, c in zip(out.logprobs.cpu(), out.completions, strict=True)]
+
         return Generated(out.completions, rows, out.stats.as_dict())
 
     def memory(self) -> dict:
@@ -136,14 +142,15 @@ class VllmPeer:
             n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_new_tokens, ignore_eos=self.fixed, logprobs=0
         )
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        completions, logprobs = [], []
-        for output in outputs:
-            sample = output.outputs[0]
-            tokens = list(sample.token_ids)
-            completions.append(tokens)
-            # with logprobs=0 each position holds the sampled token's entry alone
-            logprobs.append([position[token].logprob for position, token in zip(sample.logprobs, tokens, strict=True)])
-        return Generated(completions, logprobs)
+        completions = [list(output.outputs[0].token_ids) for output in outputs]
+
+        def rows() -> list[list[float]]:  # with logprobs=0 each position holds the sampled token's entry alone
+            return [
+                [position[token].logprob for position, token in zip(output.outputs[0].logprobs, tokens, strict=True)]
+                for output, tokens in zip(outputs, completions, strict=True)
+            ]
+
+        return Generated(completions, rows)
 
     def memory(self) -> dict:
         """Its KV cache (blocks x block size tokens) and its budget, a share of the whole device's memory."""
@@ -179,7 +186,6 @@ class ContinuousBatchingPeer:
             processing_class=AutoTokenizer.from_pretrained(folder),
         )  # fmt: skip
         self.budget_gib = self.trainer.continuous_batching_config.max_memory_percent * free / 2**30
-        self.end_ids = set() if fixed else set(self.trainer.eos_token_ids)
         self.finished = self._record_finish_times(model)
 
     @staticmethod
@@ -202,8 +208,7 @@ class ContinuousBatchingPeer:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> Generated:
         self.trainer.generation_config.max_new_tokens = max_new_tokens
-        completions, _ = self.trainer._generate_single_turn(prompts, None, {}, GROUP)
-        completions = [cut_after_end(list(c), self.end_ids) for c in completions]
+        completions, _ = self.trainer._generate_single_turn(prompts, None, {}, GROUP)  # its end token kept
         return Generated(completions, None, {"tail_s": tail_seconds(self.finished)})
 
     def memory(self) -> dict:

@@ -154,7 +154,7 @@ def generate(spec: dict, result_path: Path) -> dict:
         "lengths": {"mean": sum(lengths) / len(lengths), "p50": quantiles[0].item(), "p90": quantiles[1].item(),
                     "max": max(lengths)},
         "tail_steps": tail_steps(lengths), "engine_stats": generated.stats,
-        "logprobs_returned": generated.logprobs is not None,
+        "logprobs_returned": generated.read_logprobs is not None,
         "device_peak_gib": device_peak.peak, "device_call_peak_gib": call_peak, "device_total_gib": device_peak.total,
         "engine_memory": engine_memory(engine, device_peak.total),
     }  # fmt: skip
@@ -176,9 +176,8 @@ def save_samples(path: Path, prompts: list[list[int]], generated) -> None:
     """Prompts, completions (flat, with their lengths) and the engine's logprobs (flat, or None)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     flat = [token for c in generated.completions for token in c]
-    logprobs = None
-    if generated.logprobs is not None:
-        logprobs = torch.tensor([value for row in generated.logprobs for value in row], dtype=torch.float32)
+    rows = generated.logprobs()
+    logprobs = None if rows is None else torch.tensor([value for row in rows for value in row], dtype=torch.float32)
     torch.save(
         {"prompts": prompts, "lengths": torch.tensor([len(c) for c in generated.completions]),
          "tokens": torch.tensor(flat, dtype=torch.int64), "logprobs": logprobs},

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.bench_peers import parse_shape, timeout_bound
 from benchmarks.isolated import ERROR, OK, OUT_OF_MEMORY, TIMEOUT, Outcome, already_done, run_isolated
-from benchmarks.peer_engines import cut_after_end, tail_seconds, tail_steps
+from benchmarks.peer_engines import tail_seconds, tail_steps
 from benchmarks.step_isolation import climb, micro_batch_ladder
 
 ROOT = Path(__file__).parent.parent
@@ -109,11 +109,6 @@ def test_the_tail_counts_the_steps_and_seconds_with_under_a_quarter_of_the_rows_
     # finish times: the 2nd latest of 8 at 6.0 s, the last at 9.5 s
     assert tail_seconds([1.0, 2.0, 9.5, 3.0, 6.0, 2.5, 4.0, 1.5]) == 3.5
     assert tail_seconds([]) is None
-
-
-def test_a_completion_is_cut_after_its_first_end_token():
-    assert cut_after_end([5, 2, 7, 2], {2}) == [5, 2]
-    assert cut_after_end([5, 7], {2}) == [5, 7] and cut_after_end([5, 2], set()) == [5, 2]
 
 
 def test_a_shape_names_its_model_rows_lengths_and_prompts():
