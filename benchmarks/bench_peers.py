@@ -113,6 +113,10 @@ class Run:
         return next((r for r in self.records if (r["shape"], r["engine"], r["kind"]) == (shape, engine, kind)), None)
 
     def keep(self, record: dict) -> None:
+        """Save `record` in place of any of the same shape, engine and kind, with the date and commit it was made at
+        (a rerun keeps records of earlier runs)."""
+        record.setdefault("date", self.output.data["date"])
+        record.setdefault("commit", self.output.data["commit"])
         old = self.find(record["shape"], record["engine"], record["kind"])
         if old is not None:
             self.records.remove(old)
@@ -182,6 +186,7 @@ def timeout_bound(shape: Shape, measuring_s: float) -> float:
 def measure_gaps(run: Run, shape: Shape) -> None:
     """Each measured engine's logprob gap to the training forward, in one process for the shape."""
     records = [r for e in ENGINES if (r := run.find(shape.name, e, "generate")) and r.get("status") == OK]
+    records = [r for r in records if Path(r["samples"]).exists()]  # an earlier machine's samples may be gone
     todo = [r for r in records if not (run.args.skip_done and r.get("logprob_gap", {}).get("status") == OK)]
     if not todo:
         return

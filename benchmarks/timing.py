@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import cProfile
 import io
 import pstats
@@ -235,40 +236,49 @@ def device_memory_gib() -> tuple[float, float] | None:
 
 
 class DeviceMemoryPeak:
-    """The peak of `device_memory_gib` polled every `interval` seconds on a thread while open: what every engine uses,
-    its own allocator's pool and preallocations included, comparable across engines that count their memory each
-    their own way (a spike shorter than the interval can be missed). `mark()` returns the peak since the last mark."""
+    """The peak of the device's used memory (`device_memory_gib`: every process on it, each engine's own pool and
+    preallocations included, comparable across engines that count their memory each their own way) while open, read
+    every `interval_ms` by one `nvidia-smi` process (a spike shorter than that can be missed; without nvidia-smi only
+    the marks sample it). `mark()` returns the peak since the last mark."""
 
-    def __init__(self, interval: float = 0.1) -> None:
-        self.interval, self.peak, self.since_mark, self.total = interval, None, None, None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
+    def __init__(self, interval_ms: int = 100) -> None:
+        self.interval_ms, self.peak, self.since_mark, self.total = interval_ms, None, None, None
+        self._process: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
 
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            reading = device_memory_gib()
-            if reading is None:
-                return
-            used, self.total = reading
-            self.peak = max(self.peak or 0.0, used)
-            self.since_mark = max(self.since_mark or 0.0, used)
-            self._stop.wait(self.interval)
+    def _update(self, used: float) -> None:
+        self.peak = max(self.peak or 0.0, used)
+        self.since_mark = max(self.since_mark or 0.0, used)
+
+    def _read(self) -> None:
+        for line in self._process.stdout:
+            with contextlib.suppress(ValueError):
+                self._update(float(line.split(",")[0]) / 1024)
 
     def mark(self) -> float | None:
-        self._sample_now()
+        reading = device_memory_gib()
+        if reading is not None:
+            self._update(reading[0])
         peak, self.since_mark = self.since_mark, None
         return peak
 
-    def _sample_now(self) -> None:
-        reading = device_memory_gib()
-        if reading is not None:
-            self.since_mark = max(self.since_mark or 0.0, reading[0])
-            self.peak = max(self.peak or 0.0, reading[0])
-
     def __enter__(self) -> DeviceMemoryPeak:
-        self._thread.start()
+        reading = device_memory_gib()
+        if reading is None:
+            return self
+        self._update(reading[0])
+        self.total = reading[1]
+        if shutil.which("nvidia-smi"):
+            query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0"]
+            self._process = subprocess.Popen(
+                [*query, f"--loop-ms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+            self._thread = threading.Thread(target=self._read, daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+            self._thread.join(timeout=10)

@@ -5,9 +5,11 @@ each in its own process, on the CPU."""
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,26 @@ def test_a_child_that_runs_out_of_memory_is_told_from_one_that_fails(tmp_path):
     assert failed.status == ERROR and "ValueError: no such field" in failed.error
     silent = child(tmp_path, "pass")  # exit status 0 but no result written: a failure, not a measurement
     assert silent.status == ERROR
+
+
+def test_the_device_peak_is_the_largest_reading_of_nvidia_smi(tmp_path, monkeypatch):
+    """A stand-in `nvidia-smi` (no GPU here): the one-shot query reads 3 GiB used of 80, the loop 1, 6 then 2 GiB."""
+    from benchmarks.timing import DeviceMemoryPeak
+
+    script = tmp_path / "nvidia-smi"
+    script.write_text('#!/bin/sh\ncase "$*" in *loop-ms*) printf "1024\\n6144\\n2048\\n"; exec sleep 30;; '
+                      '*) echo "3072, 81920";; esac\n')  # fmt: skip
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with DeviceMemoryPeak() as device:
+        for _ in range(100):  # the loop's readings arrive on a thread
+            if device.peak == 6.0:
+                break
+            time.sleep(0.05)
+        assert device.total == 80.0
+        assert device.mark() == 6.0  # since it opened: 3 (opening), 1, 6, 2
+        assert device.mark() == 3.0  # since the last mark: the mark's own reading
+    assert device.peak == 6.0
 
 
 def test_a_rerun_skips_measured_and_out_of_memory_records_and_a_timeout_under_as_long_a_limit():
