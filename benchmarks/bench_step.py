@@ -8,6 +8,8 @@ with the old policy recomputed; training MFU and decode bandwidth use against th
     python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_partial dapo_partial_kept --carry-max-rows 256
         # partial rollouts re-prefilling their carried rows and keeping their KV, in a slot pool twice the batch's
     python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_fp8 dapo_fp8_partial  # FP8 rollouts
+    python3 -m benchmarks.bench_step --variable-lengths --kinds dapo trl_vllm trl_cb --warmup 1 trl_vllm=0 trl_cb=0 \
+        --micro-batches 32 16 8   # against TRL with vLLM colocated and with continuous batching, a process each
 
 Both trainers get the same random-init model, prompts, batch geometry and seed. By default generation lengths are
 pinned with `min_new_tokens = max_completion_length`, so both sides decode the same number of tokens. With
@@ -19,6 +21,11 @@ tail's share of them (steps with under a quarter of the engine's `--max-rows` sl
 across steps by partial rollouts (left in flight at the end of a step, resumed with their prompt and tokens prefilled
 again, or from their kept KV), with the share of trained tokens an earlier step's weights sampled and the trained
 groups' age. Prints the tables last and writes everything to `benchmarks/results/<name>.json` after every trainer.
+
+TRL's other generation paths (`trl_vllm`, `trl_vllm_awake`, `trl_cb`) and DAPOTrainer on TRL's vLLM path
+(`dapo_vllm`) are kinds too. vLLM loads its model from a folder, so with a vLLM kind every kind loads the same weights
+saved once to `--checkpoints`, and each kind runs in a process of its own (`--isolate`, `step_isolation.py`), where
+one that runs out of memory runs again at the next of `--micro-batches`. Each DAPO step is set against each of them.
 """
 
 from __future__ import annotations
