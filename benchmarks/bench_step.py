@@ -8,6 +8,8 @@ with the old policy recomputed; training MFU and decode bandwidth use against th
     python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_partial dapo_partial_kept --carry-max-rows 256
         # partial rollouts re-prefilling their carried rows and keeping their KV, in a slot pool twice the batch's
     python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_fp8 dapo_fp8_partial  # FP8 rollouts
+    python3 -m benchmarks.bench_step --variable-lengths --kinds dapo trl_vllm trl_cb --warmup 1 trl_vllm=0 trl_cb=0 \
+        --micro-batches 32 16 8   # against TRL with vLLM colocated and with continuous batching, a process each
 
 Both trainers get the same random-init model, prompts, batch geometry and seed. By default generation lengths are
 pinned with `min_new_tokens = max_completion_length`, so both sides decode the same number of tokens. With
@@ -19,20 +21,29 @@ tail's share of them (steps with under a quarter of the engine's `--max-rows` sl
 across steps by partial rollouts (left in flight at the end of a step, resumed with their prompt and tokens prefilled
 again, or from their kept KV), with the share of trained tokens an earlier step's weights sampled and the trained
 groups' age. Prints the tables last and writes everything to `benchmarks/results/<name>.json` after every trainer.
+
+TRL's other generation paths (`trl_vllm`, `trl_vllm_awake`, `trl_cb`) and DAPOTrainer on TRL's vLLM path
+(`dapo_vllm`) are kinds too. vLLM loads its model from a folder, so with a vLLM kind every kind loads the same weights
+saved once to `--checkpoints`, and each kind runs in a process of its own (`--isolate`, `step_isolation.py`), where
+one that runs out of memory runs again at the next of `--micro-batches`. Each DAPO step is set against each of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from benchmarks.isolated import OK, OUT_OF_MEMORY
 from benchmarks.result_file import ResultFile, default_output
+from benchmarks.step_isolation import isolated_comparison, previous_models, save_checkpoint
 from benchmarks.timing import hardware_ceilings
 from benchmarks.trainer_run import add_batch_arguments, batch_setup, run_trainer
 from benchmarks.workload import (
+    CPU_CB_CONFIG,
     config_path,
     decode_weight_bytes,
     kv_bytes_per_token,
@@ -63,8 +74,21 @@ FP8_ROLLOUTS = {
     "old_logprobs": "recompute",
     "rollout_correction": "token_mask",
 }
-COMPARISON_KINDS = {
+# TRL's own generation paths, each as a TRL user turns it on (GRPOConfig fields): its `generate` (`trl`), vLLM in the
+# trainer's process (`trl_vllm`, sleeping between rollouts: level 2 frees its weights and KV cache for the training
+# passes, and each rollout pushes the weights again; `trl_vllm_awake` keeps it resident), transformers' continuous
+# batching (`trl_cb`). `dapo_vllm` is DAPOTrainer on TRL's vLLM path, asleep as `trl_vllm`, training as `dapo`.
+# vLLM loads the model from a folder: every kind of such a comparison loads the same saved weights (`--checkpoints`).
+VLLM_COLOCATE = {"use_vllm": True, "vllm_mode": "colocate"}
+TRL_KINDS = {
     "trl": {},
+    "trl_vllm": {**VLLM_COLOCATE, "vllm_enable_sleep_mode": True},
+    "trl_vllm_awake": {**VLLM_COLOCATE, "vllm_enable_sleep_mode": False},
+    "trl_cb": {"use_transformers_continuous_batching": True},
+}
+COMPARISON_KINDS = {
+    **TRL_KINDS,
+    "dapo_vllm": {"padding_free": True, **VLLM_COLOCATE, "vllm_enable_sleep_mode": True},
     "dapo": {"padding_free": True},
     "dapo_padded": {"padding_free": False},
     "dapo_trl_generation": {"rollout_engine": "trl"},
@@ -84,7 +108,10 @@ COMPARISON_KINDS = {
 CARRYING_KINDS = ("dapo_partial", "dapo_partial_kept", "dapo_stream_carry", "dapo_fp8_partial")
 KEPT_CACHE_KINDS = ("dapo_partial_kept",)
 FP8_KINDS = ("dapo_fp8", "dapo_fp8_partial")
-RATIO_KINDS = ("dapo_partial", "dapo_partial_kept", "dapo_stream_carry", *FP8_KINDS)  # against `dapo`, same batch
+VLLM_KINDS = ("trl_vllm", "trl_vllm_awake", "dapo_vllm")  # CUDA and vLLM only; each in a process of its own
+PEER_KINDS = ("trl_vllm", "trl_vllm_awake", "trl_cb")  # what TRL users run: DAPO's steps against each
+# against `dapo`, same batch
+RATIO_KINDS = ("dapo_partial", "dapo_partial_kept", "dapo_stream_carry", *FP8_KINDS, "dapo_vllm")
 
 
 def per_kind(values: list[str], default: int) -> dict[str, int]:
@@ -123,10 +150,16 @@ def step_comparison(
     dataset = prompts(4 * setup["rows_per_step"], vocab_size=len(tokenizer), words=setup["prompt_words"])
     peft_config = LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear") if lora else None
     for kind in kinds:
-        model = random_model(config, setup["device"], setup["dtype"])
+        model = comparison_model(config, setup)
         profile = Path(f"{profile_prefix}_{kind}.txt") if profile_prefix else None
-        trainer = "trl" if kind == "trl" else "dapo"
-        settings = {} if kind == "trl" else {**(dapo_settings or {}), **COMPARISON_KINDS[kind]}
+        trainer = "trl" if kind in TRL_KINDS else "dapo"
+        settings = dict(COMPARISON_KINDS[kind])
+        if trainer == "dapo" and kind not in VLLM_KINDS:
+            settings = {**(dapo_settings or {}), **settings}
+        if kind in VLLM_KINDS:
+            settings["vllm_gpu_memory_utilization"] = setup["vllm_memory"]
+        if kind == "trl_cb" and setup["device"] == "cpu":
+            settings["transformers_continuous_batching_config"] = CPU_CB_CONFIG
         if kind in CARRYING_KINDS:
             settings.update(carry_settings or {})
         if kind in KEPT_CACHE_KINDS:
@@ -137,19 +170,41 @@ def step_comparison(
         )  # fmt: skip
         del model
         save()
+    add_ratios(out)
+
+
+def comparison_model(config, setup: dict):
+    """The comparison's model: random init on the device, or where a kind loads its model from a folder (vLLM) the
+    weights saved in `setup["checkpoint"]` for every kind."""
+    if setup.get("checkpoint") is None:
+        return random_model(config, setup["device"], setup["dtype"])
+    return AutoModelForCausalLM.from_pretrained(setup["checkpoint"], dtype=setup["dtype"]).to(setup["device"])
+
+
+def measured(out: dict) -> set[str]:
+    """The kinds of a comparison that were measured (not timed out, out of memory or failed in their process)."""
+    return {kind for kind in COMPARISON_KINDS if kind in out and out[kind].get("status", OK) == OK}
+
+
+def add_ratios(out: dict) -> None:
+    """Each pair's ratios, where both were measured: DAPO against TRL, and against each of TRL's other generation
+    paths; DAPO's loss against TRL's on the same generation; padding-free against padded; variants against `dapo`."""
+    done = measured(out)
     keys = ("step_s", "generation_s", "train_s", "train_median_s", "generation_tokens_per_s")
-    if {"trl", "dapo"} <= set(out):
+    if {"trl", "dapo"} <= done:
         out["ratio"] = {key: out["dapo"][key] / out["trl"][key] for key in keys if out["trl"][key]}
         out["dapo_logprob_gap_max"] = out["dapo"]["logprob_gap_max"]
-    if {"trl", "dapo_trl_generation"} <= set(out):  # DAPO's loss and bookkeeping against TRL's, same generation
+    for ours, peer in [(o, p) for o in ("dapo", "dapo_partial_kept") for p in PEER_KINDS if {o, p} <= done]:
+        out[f"ratio_{ours}_over_{peer}"] = {key: out[ours][key] / out[peer][key] for key in keys if out[peer][key]}
+    if {"trl", "dapo_trl_generation"} <= done:  # DAPO's loss and bookkeeping against TRL's, same generation
         same = out["dapo_trl_generation"]
         out["ratio_same_generation"] = {key: same[key] / out["trl"][key] for key in ("train_s", "train_median_s")}
-    if {"dapo", "dapo_padded"} <= set(out):  # padding-free against padded training passes, same everything else
+    if {"dapo", "dapo_padded"} <= done:  # padding-free against padded training passes, same everything else
         keys = ("step_s", "train_s", "train_median_s", "peak_memory_gib")
         out["ratio_padding_free"] = {
             key: out["dapo"][key] / out["dapo_padded"][key] for key in keys if out["dapo_padded"][key]
         }
-    for kind in [kind for kind in RATIO_KINDS if {kind, "dapo"} <= set(out)]:  # against plain DAPO
+    for kind in [kind for kind in RATIO_KINDS if {kind, "dapo"} <= done]:  # against plain DAPO
         keys = ("step_s", "generation_s", "train_s", "train_median_s")
         out[f"ratio_{kind}"] = {key: out[kind][key] / out["dapo"][key] for key in keys if out["dapo"][key]}
 
@@ -238,6 +293,16 @@ def mean_metric(run: dict, name: str) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def outcome_text(record: dict, ladder_only: bool = False) -> str:
+    """How an isolated kind's process ended (unless `ladder_only`), and the micro-batches it ran out of memory at."""
+    ladder = [str(rung["micro_batch"]) for rung in record.get("ladder", []) if rung["status"] == OUT_OF_MEMORY]
+    out_of_memory = f"; out of memory at {', '.join(ladder)}" if ladder else ""
+    if ladder_only:
+        return out_of_memory
+    text = record["status"] + (f" after {record['timeout_s']:.0f} s" if "timeout_s" in record else "")
+    return text + (f": {record['error'][:160]}" if record.get("error") else "") + out_of_memory
+
+
 def table(results: dict) -> str:
     lines = [
         "| model | trainer | step s | generation s | logprob pass s | train s | completion tok/step | gen tok/s | "
@@ -245,11 +310,18 @@ def table(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, comparison in results["models"].items():
+        done = measured(comparison)
         for kind in [kind for kind in COMPARISON_KINDS if kind in comparison]:
             r = comparison[kind]
+            if kind not in done:
+                lines.append(f"| {name} | {kind} | {outcome_text(r)} | | | | | | | | |")
+                continue
             memory = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
+            micro = (
+                f" (micro-batch {r['micro_batch']}{outcome_text(r, ladder_only=True)})" if "micro_batch" in r else ""
+            )
             lines.append(
-                f"| {name} | {kind} | {r['step_s']:.3f} | {r['generation_s']:.3f} | {r['logprob_pass_s']:.3f} | "
+                f"| {name} | {kind}{micro} | {r['step_s']:.3f} | {r['generation_s']:.3f} | {r['logprob_pass_s']:.3f} | "
                 f"{r['train_s']:.3f} | {r['completion_tokens_per_step']:.0f} | {r['generation_tokens_per_s']:.0f} | "
                 f"{r['trained_real_tokens_per_step']:.0f} / {r['trained_forward_tokens_per_step']:.0f} | "
                 f"{r['training_real_tokens_per_s']:.0f} | {memory} |"
@@ -267,8 +339,14 @@ def table(results: dict) -> str:
                 f"| {name} | padding-free/padded | {ratio['step_s']:.3f} | | | {ratio['train_s']:.3f} | | | | | "
                 f"{ratio.get('peak_memory_gib', float('nan')):.3f} |"
             )
+        for key in [key for key in comparison if key.startswith("ratio_") and "_over_" in key]:
+            ratio, pair = comparison[key], key.removeprefix("ratio_").replace("_over_", "/")
+            lines.append(
+                f"| {name} | {pair} | {ratio['step_s']:.3f} | {ratio.get('generation_s', float('nan')):.3f} | | "
+                f"{ratio['train_s']:.3f} | | | | | |"
+            )
     for name, comparison in results["models"].items():
-        for kind in [kind for kind in COMPARISON_KINDS if kind in comparison]:
+        for kind in [kind for kind in COMPARISON_KINDS if kind in measured(comparison)]:
             split = comparison[kind]["rest_split_s"]
             lines.append(
                 f"- {name} {kind} rest of step (s): median {comparison[kind]['train_median_s']:.4f}; mean split "
@@ -295,7 +373,7 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_batch_arguments(parser, new_tokens=None)
     parser.add_argument(
@@ -355,7 +433,33 @@ def main() -> None:
         help="the kinds carrying rows across steps: partial_rollout_max_age, optimizer steps a carried group may age "
         "before it is dropped (default: never; the in-flight cap bounds the age)",
     )  # fmt: skip
-    args = parser.parse_args()
+    parser.add_argument(
+        "--vllm-memory", type=float, default=0.3,
+        help="the vLLM kinds: vllm_gpu_memory_utilization, vLLM's share of the device (default TRL's, 0.3)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--checkpoints", default=None,
+        help="a folder of saved models (one per config, saved there when missing): every kind loads its model from "
+        "it (default when a vLLM kind runs, which loads by path: a temporary folder; otherwise random init)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--isolate", action="store_true",
+        help="each kind in a process of its own under --timeout, down the --micro-batches ladder (always on with a "
+        "vLLM kind)",
+    )  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=540, help="isolated: seconds each kind's process may take")
+    parser.add_argument(
+        "--micro-batches", type=int, nargs="*", default=None,
+        help="isolated: micro-batch sizes to try in order, the next after one runs out of memory (gradient "
+        "accumulation set to keep the batch), e.g. 32 16 8 (default: the one --ga gives)",
+    )  # fmt: skip
+    parser.add_argument("--skip-done", action="store_true", help="isolated: keep --output's kinds, run the others")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a kind run by an isolated parent
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     variable = args.variable_lengths
     sections = args.sections or (["comparison"] if variable else ["comparison", "variants"])
     args.new_tokens = args.new_tokens or (4096 if variable else 256)
@@ -363,13 +467,20 @@ def main() -> None:
     warmup = per_kind(args.warmup or [], default=1)
     steps = per_kind(args.steps or [], default=1 if variable else 3)
 
-    default_kinds = [k for k in COMPARISON_KINDS if k not in CARRYING_KINDS + FP8_KINDS]
+    default_kinds = ["trl", "dapo", "dapo_padded", "dapo_trl_generation"]
     kinds = args.kinds or (["dapo", "dapo_padded", "trl"] if variable else default_kinds)
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if device != "cuda" and not args.kinds:
         kinds = [kind for kind in kinds if kind != "dapo_trl_generation"]  # on the CPU DAPO takes TRL's path anyway
+    on_cpu = [kind for kind in kinds if kind in VLLM_KINDS and device != "cuda"]
+    if on_cpu:
+        raise SystemExit(f"--kinds {' '.join(on_cpu)}: vLLM runs on CUDA only; on the CPU run trl_cb, trl or DAPO's.")
+    if args.checkpoints is None and set(kinds) & set(VLLM_KINDS):
+        args.checkpoints = str(Path(tempfile.gettempdir()) / "trl-dapo-checkpoints")  # vLLM loads a folder
+    isolate = (args.isolate or bool(set(kinds) & set(VLLM_KINDS))) and not args.child
     setup = batch_setup(args, device, pin_lengths=not variable, gradient_checkpointing=checkpointing)
+    setup["vllm_memory"] = args.vllm_memory
     dapo_settings = {"rollout_max_rows": args.max_rows or setup["rows_per_step"]}
     carry_settings = {"partial_rollout_max_in_flight": args.max_in_flight, "partial_rollout_max_age": args.max_age}
     if args.carry_max_rows:
@@ -385,8 +496,9 @@ def main() -> None:
         **{k: str(v) for k, v in {**carry_settings, **dapo_settings}.items()},
     )
     results = output.data
-    results["ceilings"] = ceilings = hardware_ceilings(device)
-    results["models"], results["limits"] = {}, {}
+    results["ceilings"] = ceilings = {} if isolate else hardware_ceilings(device)  # the parent leaves the device be
+    results["models"] = previous_models(output.path) if args.skip_done else {}
+    results["limits"] = {}
 
     def save() -> None:  # after every trainer and section, so a run stopped early keeps what it measured
         output.save()
@@ -394,9 +506,17 @@ def main() -> None:
 
     if "comparison" in sections:
         for name, config in configs.items():
+            if args.checkpoints:
+                setup["checkpoint"] = str(Path(args.checkpoints) / name)
+                save_checkpoint(name, Path(setup["checkpoint"]), device, args.timeout)
+            comparison = results["models"].setdefault(name, {})
+            if isolate:
+                isolated_comparison(name, kinds, args, setup["rows_per_step"], comparison, save, output.path)
+                add_ratios(comparison)
+                save()
+                continue
             tokenizer = word_tokenizer(AutoConfig.from_pretrained(config).vocab_size)
             prefix = str(output.path.parent / f"profile_{name}") if args.profile else None
-            comparison = results["models"][name] = {}
             step_comparison(
                 config, tokenizer, setup, kinds, warmup, steps, comparison, save, prefix, args.lora,
                 dapo_settings, carry_settings, args.keep_cache,

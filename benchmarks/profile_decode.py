@@ -90,14 +90,17 @@ def seconds_per_call(function: Callable[[], object], cuda: bool, repeats: int = 
 
 
 def kernel_profile(generate: Callable[[], object], steps: int, cuda: bool) -> dict:
-    """Device time (CPU self time on the CPU) per decode step of each kernel or operator over one `generate` call."""
+    """Device time (CPU self time on the CPU) per decode step of each kernel or operator over one `generate` call,
+    and the CUDA graphs the host launched per step (kernels inside a graph replay may go unreported)."""
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities) as profiler:
         generate()
         if cuda:
             torch.cuda.synchronize()
-    rows = []
+    rows, graph_launches = [], 0
     for event in profiler.key_averages():
+        if event.key.startswith(("cudaGraphLaunch", "cuGraphLaunch")):  # runtime or driver API, any version suffix
+            graph_launches += event.count
         on_device = event.device_type == torch.autograd.DeviceType.CUDA
         microseconds = event.device_time_total if cuda else event.self_cpu_time_total
         if microseconds > 0 and on_device == cuda:
@@ -108,6 +111,7 @@ def kernel_profile(generate: Callable[[], object], steps: int, cuda: bool) -> di
     return {
         "us_per_step": sum(row["us_per_step"] for row in rows),
         "calls_per_step": sum(row["calls_per_step"] for row in rows),
+        "graph_launches_per_step": graph_launches / steps,
         "top": rows[:TOP_KERNELS],
     }
 

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import cProfile
 import io
 import pstats
+import shutil
 import statistics
+import subprocess
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -213,3 +217,68 @@ def hardware_ceilings(device: str) -> dict:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     matmul_s = median_seconds(lambda: a @ b, repeats=20)
     return {"bf16_tflops": 2 * 8192**3 / matmul_s / 1e12, "copy_tb_per_s": copy_bandwidth(device) / 1e12}
+
+
+def device_memory_gib() -> tuple[float, float] | None:
+    """(used, total) GiB of device 0 across every process on it, from `nvidia-smi` (vLLM's engine core runs in a
+    process of its own; asking torch would make a CUDA context in this one), else from torch where this process has
+    one; None on the CPU."""
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits", "--id=0"]
+        done = subprocess.run(query, capture_output=True, text=True, timeout=10)
+        if done.returncode == 0:
+            used, total = (float(value) / 1024 for value in done.stdout.split(","))
+            return used, total
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**30, total / 2**30
+    return None
+
+
+class DeviceMemoryPeak:
+    """The peak of the device's used memory (`device_memory_gib`: every process on it, each engine's own pool and
+    preallocations included, comparable across engines that count their memory each their own way) while open, read
+    every `interval_ms` by one `nvidia-smi` process (a spike shorter than that can be missed; without nvidia-smi only
+    the marks sample it). `mark()` returns the peak since the last mark."""
+
+    def __init__(self, interval_ms: int = 100) -> None:
+        self.interval_ms, self.peak, self.since_mark, self.total = interval_ms, None, None, None
+        self._process: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
+
+    def _update(self, used: float) -> None:
+        self.peak = max(self.peak or 0.0, used)
+        self.since_mark = max(self.since_mark or 0.0, used)
+
+    def _read(self) -> None:
+        for line in self._process.stdout:
+            with contextlib.suppress(ValueError):
+                self._update(float(line.split(",")[0]) / 1024)
+
+    def mark(self) -> float | None:
+        reading = device_memory_gib()
+        if reading is not None:
+            self._update(reading[0])
+        peak, self.since_mark = self.since_mark, None
+        return peak
+
+    def __enter__(self) -> DeviceMemoryPeak:
+        reading = device_memory_gib()
+        if reading is None:
+            return self
+        self._update(reading[0])
+        self.total = reading[1]
+        if shutil.which("nvidia-smi"):
+            query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0"]
+            self._process = subprocess.Popen(
+                [*query, f"--loop-ms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+            self._thread = threading.Thread(target=self._read, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+            self._thread.join(timeout=10)

@@ -44,6 +44,17 @@ def batch_setup(args, device: str, pin_lengths: bool = True, gradient_checkpoint
     }
 
 
+def pinned_lengths(new_tokens: int, settings: dict) -> dict:
+    """`generation_kwargs` that make every completion `new_tokens` long on the generation path `settings` choose:
+    vLLM's `SamplingParams` name it `min_tokens`; transformers' continuous batching drops `min_new_tokens`, so no
+    token ends a row there; `generate` and trl-dapo's engine take `min_new_tokens`."""
+    if settings.get("use_vllm"):
+        return {"min_tokens": new_tokens}
+    if settings.get("use_transformers_continuous_batching"):
+        return {"eos_token_id": -1}
+    return {"min_new_tokens": new_tokens}
+
+
 def run_trainer(
     kind: str,
     model,
@@ -58,8 +69,8 @@ def run_trainer(
     **extra,
 ) -> dict:
     """Train `warmup` + `steps` measured steps (+ one profiled step, left out of the numbers); return per-step
-    medians and means of the measured steps and their logged metrics. `kind`: "trl" or "dapo"; `extra`: DAPOConfig
-    overrides."""
+    medians and means of the measured steps and their logged metrics. `kind`: "trl" or "dapo"; `extra`: the config's
+    overrides (GRPOConfig's or DAPOConfig's)."""
     measured = range(warmup, warmup + steps)
     common = dict(
         output_dir=tempfile.mkdtemp(),
@@ -67,7 +78,7 @@ def run_trainer(
         gradient_accumulation_steps=setup["ga"],
         num_generations=setup["generations"],
         max_completion_length=setup["new_tokens"],
-        generation_kwargs={"min_new_tokens": setup["new_tokens"]} if setup["pin_lengths"] else None,
+        generation_kwargs=pinned_lengths(setup["new_tokens"], extra) if setup["pin_lengths"] else None,
         max_steps=measured.stop + (profile is not None),
         learning_rate=1e-6,
         logging_steps=1,
@@ -83,7 +94,7 @@ def run_trainer(
         beta=0.0,
     )
     if kind == "trl":
-        trainer_class, config = GRPOTrainer, GRPOConfig(**common)
+        trainer_class, config = GRPOTrainer, GRPOConfig(**{**common, **extra})
     else:
         dapo = dict(dynamic_sampling=False, overlong_buffer_len=0)
         trainer_class, config = DAPOTrainer, DAPOConfig(**{**common, **dapo, **extra})

@@ -21,6 +21,9 @@ from trl_dapo.tiny_model import CHAT_TEMPLATE, build_tiny_model
 
 HERE = Path(__file__).parent
 EOS_TOKEN_ID, PAD_TOKEN_ID = 2, 0  # of the word tokenizer and of the tiny model's tokenizer alike
+# transformers' continuous batching sizes its cache from the host's memory on the CPU, which takes minutes to set up:
+# the CPU smoke runs give it a small one (`transformers_continuous_batching_config`).
+CPU_CB_CONFIG = {"num_blocks": 32, "max_batch_tokens": 512}
 
 
 @functools.cache

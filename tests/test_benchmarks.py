@@ -218,6 +218,47 @@ def test_bench_rollout_tiny_counts_tokens_and_bandwidth_floor(tmp_path):
     assert all(r["bandwidth_use"] > 0 for runs in by_shape.values() for r in runs.values())
 
 
+def test_bench_peers_tiny_runs_each_engine_on_the_same_prompts_and_a_rerun_skips_them(tmp_path):
+    """`bench_peers.py` on the CPU: the paged engine and continuous batching (through TRL's own generation path), each
+    in its own process, on the same saved tiny model and prompt ids; then each engine's logprob gap to the training
+    forward in a fresh process, and (`--smoke`) the paged engine's kernel profile. In float32 the paged engine's
+    logprobs are the training forward's up to summation order; with lengths pinned (`-fixed`) it blocks the end token,
+    so each logprob is the renormalised distribution's, log p - log(1 - p_end): a gap of -log(1 - p_end) > 0 per
+    token (about 1/366 on the random tiny model)."""
+    arguments = ["--smoke", "--shapes", "tiny@8x16p8", "tiny@4x6-fixed-math", "--checkpoints", str(tmp_path / "ck"),
+                 "--samples", str(tmp_path / "samples")]  # fmt: skip
+    stdout, results = run_tiny("bench_peers", tmp_path, *arguments)
+    records = {(r["shape"], r["engine"], r["kind"]): r for r in results["results"]}
+    assert set(records) == {
+        (shape, engine, "generate") for shape in ("tiny@8x16p8", "tiny@4x6-fixed-math") for engine in ("paged", "cb")
+    } | {("tiny@8x16p8", "paged", "profile")}
+    for (shape, engine, kind), r in records.items():
+        assert r["status"] == "ok", r
+        if kind == "profile":  # 16 pinned tokens: the first from the prefill, then 15 decode steps
+            assert r["profiled_tokens"] == 16 and r["profile"]["us_per_step"] > 0 and 0 < r["prefill_share"] < 1
+            continue
+        samples = torch.load(r["samples"])
+        lengths = samples["lengths"].tolist()
+        assert r["useful_tokens"] == sum(lengths) == len(samples["tokens"]) and max(lengths) <= r["new_tokens"]
+        assert r["tokens_per_s"] == pytest.approx(r["useful_tokens"] / r["seconds"])
+        longest = sorted(lengths, reverse=True)  # steps with under a quarter of the rows running
+        assert r["tail_steps"] == longest[0] - longest[math.ceil(len(lengths) / 4) - 1]
+        gap = r["logprob_gap"]
+        assert gap["status"] == "ok" and gap["returned"] == (engine == "paged")
+        if shape == "tiny@4x6-fixed-math":
+            assert lengths == [6] * 4
+            assert engine == "cb" or 1e-4 < gap["mean"] <= gap["max"] < 0.05
+        elif engine == "paged":
+            assert gap["tokens"] == sum(lengths) and gap["max"] < 1e-4
+    for shape in ("tiny@8x16p8", "tiny@4x6-fixed-math"):
+        paged, cb = (torch.load(records[(shape, e, "generate")]["samples"])["prompts"] for e in ("paged", "cb"))
+        assert paged == cb and len(paged) == records[(shape, "paged", "generate")]["rows"]
+    assert paged[0][0] == 1 and len(set(map(tuple, paged))) == 1  # <|im_start|>: the chat template; one group
+    assert "| tiny@8x16p8 | paged |" in stdout and "none returned" in stdout
+    _, again = run_tiny("bench_peers", tmp_path, *arguments, "--skip-done")
+    assert again["results"] == results["results"]
+
+
 def test_profile_decode_fp8_cache_option_builds_an_fp8_engine_and_skips_the_bf16_microbenchmarks(tmp_path):
     stdout, results = run_tiny(
         "profile_decode", tmp_path, "--models", "tiny@4x3", "tiny:fp8kv@4x3", "--calls", "1", "--context", "8"

