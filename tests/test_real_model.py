@@ -274,10 +274,10 @@ def test_the_reward_logs_truncation_and_informative_groups_over_every_completion
     logged = {}
     reward = CountingMathReward(group_size=2, end_tokens=frozenset({0}))
     scores = reward(["Answer: 5", "Answer: 4", "Answer: 1", "so"], answer=["5", "5", "2", "2"],
-                    completion_ids=[[7, 0], [7, 7, 0], [7], [7, 7, 7]],
+                    completion_ids=[[7, 0], [7, 7, 0], [7, 0], [7, 7, 7]],
                     log_metric=lambda name, value: logged.__setitem__(name, value))  # fmt: skip
-    assert scores == [1.0, -1.0, -1.0, -1.0] and reward.completions == 4 and reward.tokens == 9
-    assert logged["study/truncated"] == 0.5 and logged["study/mean_length"] == 2.25
+    assert scores == [1.0, -1.0, -1.0, -1.0] and reward.completions == 4 and reward.tokens == 10
+    assert logged["study/truncated"] == 0.25 and logged["study/mean_length"] == 2.5
     assert logged["study/informative_groups"] == 0.5
 
 
