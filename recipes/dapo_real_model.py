@@ -124,13 +124,18 @@ def run_grid(config: RealModelConfig, output: Path) -> dict:
     return regime
 
 
-def pilot_and_pick(config: RealModelConfig, output: Path, regime: dict, deadline: float | None) -> dict | None:
-    """The pick: kept once made under these settings (it is fixed before the arms run), else made after the pilot;
-    None while pilot runs are left for the next call."""
+def kept_pick(config: RealModelConfig, output: Path) -> dict | None:
+    """The pick an earlier call made under these settings: it is fixed before the arms run, so it is never made
+    again (nor the grid measured again for it)."""
     kept = read_json(output / "pick.json")
     if kept and kept.get("settings") == config.fingerprint():
         print(f"pick kept: {kept['cell']}, learning rate {kept['learning_rate']:g}, {kept['max_steps']} steps")
         return kept
+    return None
+
+
+def pilot_and_pick(config: RealModelConfig, output: Path, regime: dict, deadline: float | None) -> dict | None:
+    """The pilot, then the pick, written to OUTPUT/pick.json; None while pilot runs are left for the next call."""
     jobs = pilot_jobs(config, output, regime)
     left, _ = run_jobs(config, output, jobs, deadline)
     if left:
@@ -197,9 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke and source is None:  # the pipeline needs no download: a tiny random model stands in
         source = Path(build_tiny_model(output / "tiny-model"))
     save_model_copy(source, model_copy(output))
-    regime = run_grid(config, output)
-    print(f"grid done in {time.perf_counter() - began:.0f} s", flush=True)
-    chosen = pilot_and_pick(config, output, regime, deadline)
+    chosen = kept_pick(config, output)
+    if chosen is None:
+        regime = run_grid(config, output)
+        print(f"grid done in {time.perf_counter() - began:.0f} s", flush=True)
+        chosen = pilot_and_pick(config, output, regime, deadline)
     codes: list[int] = []
     if chosen is not None:
         _, codes = run_jobs(config, output, arm_jobs(config, output, chosen), deadline)

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from ablation.store import write_json
-from dapo_real_model import SHIPPED_RESULTS, main, model_source, parse_args, study_config
+from dapo_real_model import SHIPPED_RESULTS, kept_pick, main, model_source, parse_args, study_config
 from real_model.arms import trainer_args
 from real_model.config import (
     DAPO,
@@ -340,3 +340,4 @@ def test_smoke_study_runs_end_to_end(tmp_path):
     cell = json.loads((output / "grid" / "add1-dapo-T1.json").read_text())
     assert cell["settings"] == config.grid_fingerprint() and set(cell["caps"]) == {"6", "8"}
     assert run_jobs(config, output, arm_jobs(config, output, study["pick"]), deadline=None) == ([], [])
+    assert kept_pick(config, output) == study["pick"]  # fixed once made: a rerun neither pilots nor picks again
