@@ -3,8 +3,9 @@ when each ran, the summary; everything but the model), and back: `unpack` lays a
 `--report` reads a bundle kept under benchmarks/results/ as it reads the folder it came from.
 
 The first study (2026-12-06, `add1`) wrote its bundle before the grid had caps and the pick had a pilot: its settings
-name one `max_completion_length`, learning rate and step count, which `unpack` moves into its pick, and it ran no
-partial-rollout, ablation or TRL-vLLM arms, which its settings then list no seeds for.
+name one `max_completion_length`, learning rate and step count, which `unpack` moves into its pick and grid cells,
+and it ran no partial-rollout or ablation arms, which its settings then list no seeds for (nor TRL's vLLM and
+continuous-batching arms, which its report lists as left).
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ def legacy_pick(settings: dict, pick: dict, config: RealModelConfig) -> dict:
             "max_steps": steps, "early_step": early_step(config, steps)}  # fmt: skip
 
 
+def legacy_cell(cell: dict, cap: int) -> dict:
+    """A first-study grid cell (one cap, its scores beside its name) in this version's layout (scores per cap)."""
+    names = ("family", "style", "temperature", "problems", "seconds", "settings")
+    return {**{k: cell[k] for k in names if k in cell}, "caps": {str(cap): {k: v for k, v in cell.items()
+                                                                            if k not in names}}}  # fmt: skip
+
+
 def unpack(path: Path, folder: Path) -> RealModelConfig:
     """The bundle at `path` written out as a study folder at `folder`; its settings."""
     data = json.loads(path.read_text())
@@ -54,6 +62,7 @@ def unpack(path: Path, folder: Path) -> RealModelConfig:
     write_json(folder / "pick.json", pick)
     write_json(folder / "environment.json", data["environment"])
     for cell in data["grid"]:
+        cell = legacy_cell(cell, data["settings"]["max_completion_length"]) if legacy else cell
         write_json(folder / "grid" / f"{cell_name(cell['family'], cell['style'], cell['temperature'])}.json", cell)
     for name, run in data["runs"].items():
         write_json(folder / "runs" / f"{name}.json", run)

@@ -62,11 +62,8 @@ def measure_grid(config: RealModelConfig, output: Path, model, tokenizer, scorer
 
 
 def rows_of(cell: dict) -> list[dict]:
-    """One row per cap: the cell's scores at that cap with its family, style, temperature and cap. The first study's
-    cells held one cap (its `max_completion_length`, not recorded in the cell): their row has cap None."""
+    """One row per cap: the cell's scores at that cap with its family, style, temperature and cap."""
     base = {key: cell[key] for key in ("family", "style", "temperature")}
-    if "caps" not in cell:
-        return [{**base, "cap": None, **{k: v for k, v in cell.items() if k not in base}}]
     return [{**base, "cap": int(cap), **scores} for cap, scores in cell["caps"].items()]
 
 

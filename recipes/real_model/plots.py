@@ -66,6 +66,14 @@ def _curve_panel(axis, runs: dict, x: str, y, title: str, colours: dict) -> None
     axis.grid(alpha=0.3)
 
 
+def _legend(axes) -> None:
+    """On the first panel with labelled lines (a panel of a metric no run recorded has none)."""
+    for axis in axes:
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
+            return
+
+
 def plot_accuracy(runs: dict, metric: str, title: str, path: Path) -> Path:
     plt = _pyplot()
     colours = _colours(runs)
@@ -75,7 +83,7 @@ def plot_accuracy(runs: dict, metric: str, title: str, path: Path) -> Path:
                  colours)  # fmt: skip
     _curve_panel(axes[2], runs, "step", lambda p: p.get("line_accuracy"),
                  "held-out accuracy among completions with an Answer: line", colours)  # fmt: skip
-    axes[0].legend(fontsize=8)
+    _legend(axes)
     figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=90)
@@ -97,7 +105,7 @@ def plot_mechanisms(runs: dict, title: str, path: Path) -> Path:
                 axis.plot(steps, values, color=colours[kind], marker="." if len(steps) < 50 else None, label=kind)
         axis.set_title(label, fontsize=9)
         axis.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
+    _legend(axes.flat)
     figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=90)
