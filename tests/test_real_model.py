@@ -142,7 +142,8 @@ def _curve(values: list[float], every: int = 4, line: list[float] | None = None,
 def test_pilot_picks_the_earliest_learner_and_doubles_its_step_within_bounds(tmp_path):
     regime = candidates(STUDY, [_cell("word2", "dapo", {96: (0.02, 0.30, 0.30)}),
                                 _cell("add2", "dapo", {128: (0.02, 0.20, 0.20)})])  # fmt: skip
-    jobs = pilot_jobs(STUDY, tmp_path, regime)
+    config = STUDY.with_overrides(pilot_learning_rates=(1e-5, 3e-5))
+    jobs = pilot_jobs(config, tmp_path, regime)
     assert [(j["task"]["cell"], j["learning_rate"]) for j in jobs] == [
         ("word2-dapo-T1-c96", 1e-5), ("word2-dapo-T1-c96", 3e-5), ("add2-dapo-T1-c128", 1e-5),
         ("add2-dapo-T1-c128", 3e-5)]  # fmt: skip
@@ -156,14 +157,14 @@ def test_pilot_picks_the_earliest_learner_and_doubles_its_step_within_bounds(tmp
     ]
     for job, curve in zip(jobs, curves, strict=True):
         write_json(Path(job["record"]), {"status": "ok", "curve": curve})
-    chosen = pick(STUDY, tmp_path, regime, jobs)
+    chosen = pick(config, tmp_path, regime, jobs)
     # the second run passed 0.1 first but its line accuracy rose by 0.02 only: it learned the answer line
     assert chosen["cell"] == "add2-dapo-T1-c128" and chosen["learning_rate"] == 1e-5 and chosen["learned"]
     assert chosen["max_steps"] == 16 and chosen["early_step"] == 8  # 2 x 7 = 14, at least min_steps 16
     assert [r["learned"] for r in chosen["pilot"]] == [True, False, True, False]
     for job, curve in zip(jobs, curves, strict=True):  # none learned: the highest avg, the longest run
         write_json(Path(job["record"]), {"status": "ok", "curve": curve[:2]})
-    fallback = pick(STUDY, tmp_path, regime, jobs)
+    fallback = pick(config, tmp_path, regime, jobs)
     assert not fallback["learned"] and fallback["cell"] == "word2-dapo-T1-c96" and fallback["max_steps"] == 32
 
 

@@ -54,7 +54,7 @@ class RealModelConfig:
     data_seed: int = 1234
     # ---- the pilot: GRPO's settings on the best candidates; the pick's rule is in pilot.py
     pilot_cells: int = 2
-    pilot_learning_rates: tuple[float, ...] = (1e-5, 3e-5)
+    pilot_learning_rates: tuple[float, ...] = (1e-5, 3e-5, 1e-4)  # the first study's rate, 3x and 10x it
     pilot_steps: int = 16
     pilot_seed: int = 1000  # apart from the study's seeds
     learned_level: float = 0.1  # held-out avg@k a pilot run must pass ...
