@@ -52,6 +52,7 @@ from .checkpoint_files import (
     save_generation_batch,
 )
 from .config import DAPOConfig
+from .cpu_bf16 import warn_if_cpu_bf16_is_emulated
 from .engine_choice import EngineWeights, select_rollout_engine, token_sampling
 from .epoch_order import EpochOrder, set_resumed_epoch
 from .finite_steps import FiniteSteps
@@ -92,6 +93,7 @@ class DAPOTrainer(GRPOTrainer):
         built_by_trainer = isinstance(model, str)
         model, args = self._load_gguf(model, args, kwargs)
         super().__init__(model, reward_funcs, args, **kwargs)
+        warn_if_cpu_bf16_is_emulated(args.bf16, self.accelerator.device)
         ensure_float32_rotary(self.model, built_by_trainer=built_by_trainer)
         positions = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
         self.prompt_limit = prompt_token_limit(args.max_prompt_length, positions, args.max_completion_length)
