@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accelerate import PartialState
+from transformers.integrations import TensorBoardCallback
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
-from reporting import format_summary, plot_training, summarize
+from reporting import format_outputs, format_summary, plot_training, summarize
 from trl_dapo import DAPOConfig, DAPOTrainer
 from trl_dapo.data import arithmetic_dataset, load_math_dataset
 from trl_dapo.evaluation import MathAccuracyCallback
@@ -145,6 +146,12 @@ def named_model(script_args: ScriptArguments, training_args: DAPOConfig, model_a
     return model_args.model_name_or_path
 
 
+def tensorboard_dirs(trainer: DAPOTrainer) -> list[str]:
+    """The folders TensorBoard's callback wrote to (none without `report_to: tensorboard`)."""
+    callbacks = trainer.callback_handler.callbacks
+    return [c.logging_dir for c in callbacks if isinstance(c, TensorBoardCallback) and getattr(c, "logging_dir", None)]
+
+
 def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: ModelConfig) -> dict:
     train_dataset, eval_dataset = load_datasets(script_args)
     reward_funcs = [dapo_math_reward]
@@ -180,7 +187,8 @@ def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: Mo
         output = Path(training_args.output_dir)
         plot_training(trainer.state.log_history, output / "training_curves.png")
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(format_summary(summary, script_args.summary_window))
+        print(format_summary(summary))
+        print(format_outputs(output, tensorboard_dirs(trainer)))
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
     # The DDP reducer holds the process group: destroying the group first left gloo joining stuck threads at exit.

@@ -56,19 +56,42 @@ def plot_training(log_history: list[dict], path: str | Path) -> Path:
 
 
 def summarize(log_history: list[dict], window: int = 10) -> dict[str, dict[str, float]]:
-    """Mean of each summary metric over the first and the last `window` logged steps."""
+    """Mean of each summary metric over its first and its last `window` logged steps (all of them where it was logged
+    fewer times), with the number of logs each mean covers."""
     summary = {}
     for name in SUMMARY_METRICS:
         _, values = series(log_history, name)
         if values:
             first, last = values[:window], values[-window:]
-            summary[name] = {"first": sum(first) / len(first), "last": sum(last) / len(last)}
+            summary[name] = {"first": sum(first) / len(first), "last": sum(last) / len(last), "logs": len(first)}
     return summary
 
 
-def format_summary(summary: dict[str, dict[str, float]], window: int) -> str:
-    lines = [f"| metric | first {window} logs | last {window} logs |", "|---|---|---|"]
+def _logs(count: int) -> str:
+    return f"{count} log" if count == 1 else f"{count} logs"
+
+
+def format_summary(summary: dict[str, dict[str, float]]) -> str:
+    """A Markdown table of first and last means. The header counts the logs the means cover (fewer than the window
+    where a run logged fewer), and a metric logged fewer times than the others (held-out accuracy) says its own
+    count."""
+    logs = max(int(values["logs"]) for values in summary.values()) if summary else 0
+    lines = [f"| metric | first {_logs(logs)} | last {_logs(logs)} |", "|---|---|---|"]
     for name, values in summary.items():
         first, last = (f"{v:.3f}" if math.isfinite(v) else "n/a" for v in (values["first"], values["last"]))
-        lines.append(f"| {name} | {first} | {last} |")
+        label = name if values["logs"] == logs else f"{name} ({_logs(int(values['logs']))})"
+        lines.append(f"| {label} | {first} | {last} |")
+    return "\n".join(lines)
+
+
+def format_outputs(output_dir: str | Path, tensorboard_dirs: list[str]) -> str:
+    """Where a run's outputs went: the trained model (or adapter), the plot, the summary, TensorBoard's logs."""
+    output = Path(output_dir)
+    lines = [
+        "Outputs:",
+        f"- trained model: {output}",
+        f"- training curves: {output / 'training_curves.png'}",
+        f"- summary: {output / 'summary.json'}",
+    ]
+    lines += [f"- TensorBoard logs: {folder}" for folder in tensorboard_dirs]
     return "\n".join(lines)

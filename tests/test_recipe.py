@@ -12,7 +12,7 @@ from trl import ModelConfig, TrlParser
 
 from dapo_math import RecipeConfig, ScriptArguments, named_model
 from helpers import free_port
-from reporting import SUMMARY_METRICS
+from reporting import SUMMARY_METRICS, format_summary, summarize
 
 ROOT = Path(__file__).parent.parent
 
@@ -62,6 +62,26 @@ def test_a_gguf_file_is_named_as_a_path_or_with_gguf_file():
         named_model(script, config, model)
 
 
+def test_the_summary_header_counts_the_logs_each_mean_covers():
+    """Three logged steps and one evaluation, a window of 10: the means cover 3 logs (1 for held-out accuracy), and
+    the table says so; with a window of 2 the first and last two differ."""
+    history = [{"step": step, "reward": reward} for step, reward in ((1, 0.0), (2, 1.0), (3, 5.0))]
+    history.append({"step": 3, "eval/accuracy": 0.5})
+    summary = summarize(history, window=10)
+    assert summary == {
+        "eval/accuracy": {"first": 0.5, "last": 0.5, "logs": 1},
+        "reward": {"first": 2.0, "last": 2.0, "logs": 3},
+    }
+    assert format_summary(summary).splitlines() == [
+        "| metric | first 3 logs | last 3 logs |",
+        "|---|---|---|",
+        "| eval/accuracy (1 log) | 0.500 | 0.500 |",
+        "| reward | 2.000 | 2.000 |",
+    ]
+    assert summarize(history, window=2)["reward"] == {"first": 0.5, "last": 3.0, "logs": 2}
+    assert format_summary(summarize(history, window=2)).splitlines()[0] == "| metric | first 2 logs | last 2 logs |"
+
+
 def test_tiny_recipe_runs_end_to_end(tmp_path):
     output = tmp_path / "run"
     command = [
@@ -80,7 +100,16 @@ def test_tiny_recipe_runs_end_to_end(tmp_path):
     assert 0.0 <= summary["dapo/sampling_efficiency"]["last"] <= 1.0 and summary["dapo/gen_batches"]["last"] >= 1
     assert (output / "training_curves.png").stat().st_size > 10_000
     assert 0.0 <= summary["eval/accuracy"]["last"] <= 1.0  # held-out avg@k was logged
-    assert list((output / "runs").rglob("events.out.tfevents.*"))
+    events = list((output / "runs").rglob("events.out.tfevents.*"))
+    assert events
+    printed = result.stdout[result.stdout.index("Outputs:") :].splitlines()[1:5]  # where each output went
+    assert printed == [
+        f"- trained model: {output}",
+        f"- training curves: {output / 'training_curves.png'}",
+        f"- summary: {output / 'summary.json'}",
+        f"- TensorBoard logs: {events[0].parent}",
+    ]
+    assert "| metric | first 2 logs | last 2 logs |" in result.stdout
     assert (output / "adapter_config.json").exists()  # LoRA through TRL's ModelConfig
 
 

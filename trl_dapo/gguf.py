@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from .gguf_header import Header, check_gguf_file
-from .models import base_model
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +105,8 @@ def load_gguf_causal_lm(folder: str, gguf_file: str, **kwargs):
 
 def gguf_source(model) -> tuple[str, str] | None:
     """(folder, file name) of a model transformers loaded from a GGUF file and still marks as quantized; else None."""
+    from .models import base_model  # here, not at the top: `python -m trl_dapo.smollm2` imports no torch
+
     config = base_model(model).config
     mark = getattr(config, "quantization_config", None)
     if mark is None:
@@ -119,6 +120,8 @@ def gguf_source(model) -> tuple[str, str] | None:
 def remove_gguf_mark(model) -> None:
     """Remove, in place, the quantizer mark of a model loaded from a GGUF file whose weights are all dense; a model
     whose weights stayed packed cannot be trained, and the error says how to load it dense."""
+    from .models import base_model
+
     base = base_model(model)
     packed = [name for name, parameter in base.named_parameters() if not parameter.is_floating_point()]
     if packed:

@@ -38,7 +38,6 @@ from typing import Any, ClassVar
 import torch
 from accelerate.utils import gather_object
 from torch import nn
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, TrainOutput, rotate_checkpoints
 from trl import GRPOTrainer
 
@@ -57,7 +56,13 @@ from .collection import (
     select_rollout_engine,
     token_sampling,
 )
-from .configuration import DAPOConfig, check_batch_prompts, check_prompt_ids, prompt_token_limit
+from .configuration import (
+    DAPOConfig,
+    check_batch_prompts,
+    check_prompt_ids,
+    prompt_token_limit,
+    warn_if_cpu_bf16_is_emulated,
+)
 from .safety import (
     SAMPLING_STATE_FILE,
     EpochOrder,
@@ -66,6 +71,7 @@ from .safety import (
     full_disk_named,
     load_checkpoint_file,
     load_generation_batch,
+    resume_files,
     sampling_state_path,
     save_checkpoint_file,
     save_generation_batch,
@@ -114,6 +120,7 @@ class DAPOTrainer(GRPOTrainer):
         model, args = self._load_gguf(model, args, kwargs)
         super().__init__(model, reward_funcs, args, **kwargs)
         check_vllm_server_logprobs(args, getattr(self, "vllm_generation", None), self.accelerator)
+        warn_if_cpu_bf16_is_emulated(args.bf16, self.accelerator.device)
         ensure_float32_rotary(self.model, built_by_trainer=built_by_trainer)
         positions = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
         self.prompt_limit = prompt_token_limit(args.max_prompt_length, positions, args.max_completion_length)
@@ -304,7 +311,9 @@ class DAPOTrainer(GRPOTrainer):
         number, which a killed save leaves incomplete), and starts from step 0 where there is none; both with a
         warning. A checkpoint path that is incomplete is refused with the reason (`checkpoint_files.py`)."""
         resume_from_checkpoint, warnings = checkpoint_to_resume(
-            resume_from_checkpoint, self.args.output_dir, self._resume_files()
+            resume_from_checkpoint,
+            self.args.output_dir,
+            resume_files(self.args.save_only_model, self.is_deepspeed_enabled or self.is_fsdp_enabled),
         )
         for warning in warnings if self.accelerator.is_main_process else []:
             logger.warning(warning)
@@ -321,15 +330,6 @@ class DAPOTrainer(GRPOTrainer):
         Trainer would train one step more before it checks, and with `save_total_limit` delete the last checkpoint."""
         if self.state.global_step < self.state.max_steps:
             super()._run_epoch(*args, **kwargs)
-
-    def _resume_files(self) -> tuple[str, ...]:
-        """The Trainer's files a resume reads on this set-up (DeepSpeed and FSDP keep the optimizer their own way),
-        checked in a checkpoint saved without a manifest."""
-        if self.args.save_only_model:
-            return ()
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            return ("rng_state*.pth",)
-        return (OPTIMIZER_NAME, SCHEDULER_NAME, "rng_state*.pth")
 
     # ---------------------------------------------------------------------------------------------------- loss
 

@@ -1,9 +1,10 @@
 """Configuration and the checks that need no model: `DAPOConfig` (its fields' types and ranges, the `GRPOConfig`
-fields it honours, its choices, its batch sizes), each prompt's check, and `TRLView`, the built trainer's values the
+fields it honours, its choices, its batch sizes), each prompt's check, the warning for bf16 emulated on a CPU, and `TRLView`, the built trainer's values the
 other sub-packages read. It imports none of the trainer's other modules: every other part may import it."""
 
 from .choices import CORRECTION_MODES
 from .config import DAPOConfig
+from .cpu_bf16 import warn_if_cpu_bf16_is_emulated
 from .prompts import check_batch_prompts, check_dataset_prompts, check_prompt_ids, prompt_token_limit
 from .view import TRLView
 
@@ -15,4 +16,5 @@ __all__ = [
     "check_dataset_prompts",
     "check_prompt_ids",
     "prompt_token_limit",
+    "warn_if_cpu_bf16_is_emulated",
 ]

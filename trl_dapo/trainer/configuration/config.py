@@ -35,7 +35,8 @@ class DAPOConfig(GRPOConfig, GenerationBatchCheck):
 
         bf16 (`bool` or `None`, *optional*, defaults to `None`):
             `None` turns bf16 on where it can run (a bf16 GPU, XLA, or `use_cpu=True`, as TRL would) and off
-            elsewhere, where TRL's default would refuse to start.
+            elsewhere, where TRL's default would refuse to start. On a CPU without bf16 instructions torch emulates
+            bf16, several times slower than float32: the trainer warns once, naming `bf16=False`.
 
         epsilon (`float`, *optional*, defaults to `0.2`):
             Lower clip range ε_low: ratios below `1 - epsilon` stop pushing a negative-advantage token down.

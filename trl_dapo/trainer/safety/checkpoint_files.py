@@ -28,6 +28,7 @@ import re
 
 import torch
 from accelerate import Accelerator
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..training import MicroBatch, micro_batch_states, micro_batches_from_states
@@ -149,6 +150,16 @@ def checkpoint_to_resume(
             "its files are checked by name only, not by size."
         )
     return checkpoint, warnings
+
+
+def resume_files(save_only_model: bool, sharded: bool) -> tuple[str, ...]:
+    """The Trainer's files a resume reads on this set-up (DeepSpeed and FSDP keep the optimizer their own way),
+    checked in a checkpoint saved without a manifest."""
+    if save_only_model:
+        return ()
+    if sharded:
+        return ("rng_state*.pth",)
+    return (OPTIMIZER_NAME, SCHEDULER_NAME, "rng_state*.pth")
 
 
 def sampling_state_path(checkpoint: str | None, needed: bool) -> str | None:
