@@ -59,8 +59,9 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# One test process per core (pytest-xdist), a test file each at a time, one thread each so they do not contend.
 test: lint
-	$(PY) -m pytest
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n auto --dist loadfile
 
 format: install
 	$(PY) -m ruff check --fix .

@@ -3,8 +3,7 @@ SmolLM2-135M-Instruct GGUF) onto it, in parts small enough for the calls that co
 
 Here (with network):
 
-    python -m benchmarks.gpu_kit build --vllm-wheel vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl \\
-        --gguf "$(python -m trl_dapo.smollm2)"
+    python -m benchmarks.gpu_kit build --gguf "$(python -m trl_dapo.smollm2)"
 
 writes `.kit/call-1`, `.kit/call-2`, ... (one folder to carry per call) and prints the plan. There, at the start of
 every call (it copies what arrived to /tmp/kit, joins and installs what is complete, and prints the line to eval):
@@ -223,7 +222,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="download, repack and split the kit into .kit/call-N (here)")
-    build.add_argument("--vllm-wheel", type=Path, required=True)
+    build.add_argument("--vllm-wheel", type=Path, default=None, help="vLLM 0.26.0's wheel, if already here "
+                       "(default: downloaded from PyPI into .kit/cache)")  # fmt: skip
     build.add_argument("--gguf", type=Path, default=None, help="a GGUF file to carry too")
     build.add_argument("--call-mib", type=float, default=None, help="bytes of kit per call (default: 64 MiB less "
                        "the working tree that travels, less 2 MiB)")  # fmt: skip

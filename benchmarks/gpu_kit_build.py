@@ -22,6 +22,7 @@ from benchmarks.gpu_kit import MANIFEST, WORK, normalized, sha256_of
 
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB  # what one call copies: the working tree plus the carried paths
+VLLM_VERSION = "0.26.0"  # the last vLLM that pins torch 2.11.0, the GPU machine's
 MARGIN = 2 * MIB  # for the manifest and a working tree that grows a little before the calls
 
 # (distribution, version, floor, why). Installed there only when missing or older than the floor (default: the
@@ -242,7 +243,15 @@ def write_kit(kit: Path, sources: dict[str, Path], archives: dict[str, dict], wh
     return manifest, len(calls)
 
 
-def build(vllm_wheel: Path, gguf: Path | None, call_mib: float | None, python_version: str, kit: Path) -> None:
+def download_vllm(cache: Path) -> Path:
+    """vLLM's wheel from PyPI (it is abi3, so one wheel serves every Python the machine may have)."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet"]
+    command += ["--platform", "manylinux_2_28_x86_64", "--dest", str(cache), f"vllm=={VLLM_VERSION}"]
+    subprocess.run(command, check=True)
+    return next(cache.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+
+
+def build(vllm_wheel: Path | None, gguf: Path | None, call_mib: float | None, python_version: str, kit: Path) -> None:
     """Rebuild `kit/call-*` from the pinned wheels (downloads kept in `kit/cache`), the vLLM wheel and the GGUF."""
     start = time.perf_counter()
     cache = kit / "cache"
@@ -250,6 +259,7 @@ def build(vllm_wheel: Path, gguf: Path | None, call_mib: float | None, python_ve
     for old in kit.glob("call-*"):
         shutil.rmtree(old)
     wheels = download_wheels(cache / "wheels", python_version)
+    vllm_wheel = vllm_wheel or download_vllm(cache)
     vllm = repack_vllm(vllm_wheel, cache, python_version.replace(".", ""))
     archives = {vllm.name: {"kind": "site", "sha256": sha256_of(vllm)}}
     if gguf:

@@ -83,6 +83,38 @@ def _stop(process: subprocess.Popen, grace: float = 15.0) -> None:
             os.killpg(process.pid, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=grace)
+    deadline = time.monotonic() + 10.0  # a killed grandchild may take a moment to die, holding the device meanwhile
+    while _live_members(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _live_members(group: int) -> bool:
+    """Whether a process of process group `group` is still running (zombies do not count: they hold nothing)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[2]) == group:
+                return True
+    return False
+
+
+@contextlib.contextmanager
+def _terminated_as_exit():
+    """While a child runs, a SIGTERM to this process (`timeout`, a job's end) raises SystemExit instead of ending it
+    at once, so the child's session is stopped on the way out: the child started a session of its own, and would
+    otherwise go on holding the device after its parent is gone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_isolated(command: list[str], result_path: Path, timeout: float, env: dict | None = None) -> Outcome:
@@ -99,11 +131,14 @@ def run_isolated(command: list[str], result_path: Path, timeout: float, env: dic
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     reader = threading.Thread(target=_echo, args=(process.stdout, tail), daemon=True)
     reader.start()
-    try:
-        code = process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        code = None
-    _stop(process, grace=15.0 if code is None else 0.0)
+    code = None
+    with _terminated_as_exit():
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            _stop(process, grace=15.0 if code is None else 0.0)
     reader.join(timeout=15)
     seconds, finished_at = time.perf_counter() - start, time.time()
     progress = json.loads(progress_path(result_path).read_text()) if progress_path(result_path).exists() else {}

@@ -51,6 +51,33 @@ def test_a_child_past_its_time_is_stopped_with_its_children_and_keeps_its_progre
     assert ended(outcome.progress["grandchild"])  # the grandchild was ended too
 
 
+def test_a_parent_ended_by_sigterm_stops_its_child_and_grandchild_first(tmp_path):
+    """`timeout` ends a benchmark with SIGTERM while its child measures: the child's session (the child, its
+    grandchild) is stopped before the parent exits, and does not go on holding the device."""
+    parent = f"""
+        import sys
+        from pathlib import Path
+        from benchmarks.isolated import run_isolated
+        body = (
+            "import subprocess, sys, time\\n"
+            "from benchmarks.isolated import report_progress\\n"
+            "grandchild = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\\n"
+            "report_progress(sys.argv[1], grandchild=grandchild.pid)\\n"
+            "time.sleep(600)\\n"
+        )
+        run_isolated([sys.executable, "-c", body, "{tmp_path / "result.json"}"], Path("{tmp_path / "result.json"}"), 600)
+    """
+    process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(parent)], cwd=ROOT)
+    progress = tmp_path / "result.progress.json"
+    deadline = time.time() + 60
+    while not progress.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    grandchild = json.loads(progress.read_text())["grandchild"]
+    process.terminate()
+    assert process.wait(timeout=60) == 128 + 15
+    assert ended(grandchild)
+
+
 def ended(pid: int) -> bool:
     """Whether process `pid` is gone or dead (a zombie its new parent has not reaped yet)."""
     stat = Path(f"/proc/{pid}/stat")
