@@ -3,7 +3,7 @@ SmolLM2-135M-Instruct GGUF) onto it, in parts small enough for the calls that co
 
 Here (with network):
 
-    python -m benchmarks.gpu_kit build --gguf "$(python -m trl_dapo.smollm2)"
+    python -m benchmarks.gpu_kit_build --gguf "$(python -m trl_dapo.smollm2)"
 
 writes `.kit/call-1`, `.kit/call-2`, ... (one folder to carry per call) and prints the plan. There, at the start of
 every call (it copies what arrived to /tmp/kit, joins and installs what is complete, and prints the line to eval):
@@ -11,7 +11,7 @@ every call (it copies what arrived to /tmp/kit, joins and installs what is compl
     eval "$(python3 -m benchmarks.gpu_kit install)"
     python3 -m benchmarks.gpu_kit install --check      # the first call: imports and versions, then a CUDA check
 
-This module is the machine's side and imports the standard library alone; the build is `gpu_kit_build`.
+This module is the machine's side and imports the standard library alone; the build, `gpu_kit_build`, imports it.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def load_manifest(kit: Path, work: Path) -> dict:
     if (work / MANIFEST).is_file():
         found.append(json.loads((work / MANIFEST).read_text()))
     if not found:
-        raise SystemExit(f"no kit: carry a folder of {kit}/ (run `python -m benchmarks.gpu_kit build` first)")
+        raise SystemExit(f"no kit: carry a folder of {kit}/ (run `python -m benchmarks.gpu_kit_build` first)")
     return max(found, key=lambda manifest: manifest["built"])
 
 
@@ -221,24 +221,13 @@ def check(generate: str | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser("build", help="download, repack and split the kit into .kit/call-N (here)")
-    build.add_argument("--vllm-wheel", type=Path, default=None, help="vLLM 0.26.0's wheel, if already here "
-                       "(default: downloaded from PyPI into .kit/cache)")  # fmt: skip
-    build.add_argument("--gguf", type=Path, default=None, help="a GGUF file to carry too")
-    build.add_argument("--call-mib", type=float, default=None, help="bytes of kit per call (default: 64 MiB less "
-                       "the working tree that travels, less 2 MiB)")  # fmt: skip
-    build.add_argument("--python-version", default="3.12", help="the machine's Python, for the binary wheels")
     install_parser = commands.add_parser("install", help="copy, join and install what has arrived (there)")
     install_parser.add_argument("--check", action="store_true", help="then run `check` under the kit's settings")
     install_parser.add_argument("--generate", default=None, help="with --check: an HF folder to generate from")
     check_parser = commands.add_parser("check", help="the imports and versions (under the kit's settings)")
     check_parser.add_argument("--generate", default=None, help="an HF folder: a short LLM.generate from it")
     args = parser.parse_args()
-    if args.command == "build":
-        from benchmarks.gpu_kit_build import build as build_kit
-
-        build_kit(args.vllm_wheel, args.gguf, args.call_mib, args.python_version, KIT)
-    elif args.command == "check":
+    if args.command == "check":
         check(args.generate)
     else:
         run_install(args.check, args.generate)

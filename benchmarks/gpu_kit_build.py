@@ -1,9 +1,13 @@
 """The build side of `benchmarks.gpu_kit` (here, with network): download the pinned wheels, repack vLLM without what
 an H100 does not load, split the large files across calls of at most 64 MiB each (the working tree included) and
-write `.kit/call-N` folders with one manifest of sha256 sums. `python -m benchmarks.gpu_kit build --help`."""
+write `.kit/call-N` folders with one manifest of sha256 sums:
+
+    python -m benchmarks.gpu_kit_build --gguf "$(python -m trl_dapo.smollm2)"
+"""
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import hashlib
 import io
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks.gpu_kit import MANIFEST, WORK, normalized, sha256_of
+from benchmarks.gpu_kit import KIT, MANIFEST, WORK, normalized, sha256_of
 
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB  # what one call copies: the working tree plus the carried paths
@@ -288,3 +292,19 @@ def print_plan(manifest: dict, calls: int, vllm_wheel: Path) -> None:
         print(f"{archive['name']} usable from {archive['parts'][-1]['call']} on")
     where = f"{WORK}/{manifest['gguf']}" if manifest["gguf"] else "none"
     print(f'there, each call: eval "$(python3 -m benchmarks.gpu_kit install)"   (the GGUF: {where})')
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-wheel", type=Path, default=None, help="vLLM 0.26.0's wheel, if already here "
+                        "(default: downloaded from PyPI into .kit/cache)")  # fmt: skip
+    parser.add_argument("--gguf", type=Path, default=None, help="a GGUF file to carry too")
+    parser.add_argument("--call-mib", type=float, default=None, help="bytes of kit per call (default: 64 MiB less "
+                        "the working tree that travels, less 2 MiB)")  # fmt: skip
+    parser.add_argument("--python-version", default="3.12", help="the machine's Python, for the binary wheels")
+    args = parser.parse_args()
+    build(args.vllm_wheel, args.gguf, args.call_mib, args.python_version, KIT)
+
+
+if __name__ == "__main__":
+    main()
