@@ -118,13 +118,18 @@ def repack_vllm(wheel: Path, cache: Path, python_tag: str) -> Path:
     return target
 
 
-def download_wheels(cache: Path, python_version: str) -> list[Path]:
-    """`pip download` the pinned wheels for the machine's Python and Linux (x86-64, glibc up to 2.35)."""
+def pip_download(cache: Path, python_version: str, requirements: list[str]) -> None:
+    """`pip download` binary wheels of `requirements` for the machine's Python and Linux (x86-64, glibc up to 2.35)."""
     platforms = [f"manylinux_2_{minor}_x86_64" for minor in range(35, 16, -1)] + ["manylinux2014_x86_64"]
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet"]
     command += ["--python-version", python_version, "--implementation", "cp", "--dest", str(cache)]
     command += [argument for platform in platforms for argument in ("--platform", platform)]
-    subprocess.run(command + [f"{dist}=={version}" for dist, version, _, _ in WHEELS], check=True)
+    subprocess.run(command + requirements, check=True)
+
+
+def download_wheels(cache: Path, python_version: str) -> list[Path]:
+    """The pinned wheels, downloaded for the machine's Python and Linux."""
+    pip_download(cache, python_version, [f"{dist}=={version}" for dist, version, _, _ in WHEELS])
     by_name = {(normalized(path.name.split("-")[0]), path.name.split("-")[1]): path for path in cache.glob("*.whl")}
     return [by_name[normalized(dist), version] for dist, version, _, _ in WHEELS]
 
@@ -247,11 +252,9 @@ def write_kit(kit: Path, sources: dict[str, Path], archives: dict[str, dict], wh
     return manifest, len(calls)
 
 
-def download_vllm(cache: Path) -> Path:
-    """vLLM's wheel from PyPI (it is abi3, so one wheel serves every Python the machine may have)."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet"]
-    command += ["--platform", "manylinux_2_28_x86_64", "--dest", str(cache), f"vllm=={VLLM_VERSION}"]
-    subprocess.run(command, check=True)
+def download_vllm(cache: Path, python_version: str) -> Path:
+    """vLLM's wheel from PyPI, for the machine's Python and Linux."""
+    pip_download(cache, python_version, [f"vllm=={VLLM_VERSION}"])
     return next(cache.glob(f"vllm-{VLLM_VERSION}-*.whl"))
 
 
@@ -263,7 +266,7 @@ def build(vllm_wheel: Path | None, gguf: Path | None, call_mib: float | None, py
     for old in kit.glob("call-*"):
         shutil.rmtree(old)
     wheels = download_wheels(cache / "wheels", python_version)
-    vllm_wheel = vllm_wheel or download_vllm(cache)
+    vllm_wheel = vllm_wheel or download_vllm(cache, python_version)
     vllm = repack_vllm(vllm_wheel, cache, python_version.replace(".", ""))
     archives = {vllm.name: {"kind": "site", "sha256": sha256_of(vllm)}}
     if gguf:
