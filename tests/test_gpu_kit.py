@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu_kit import install, installed_versions, release, satisfies, wheels_to_install
-from benchmarks.gpu_kit_build import WHEELS, Piece, left_out, plan_calls, repack_vllm, write_kit
+from benchmarks.gpu_kit_build import (
+    STUDY_WHEELS,
+    WHEELS,
+    Piece,
+    kit_order,
+    left_out,
+    plan_calls,
+    repack_vllm,
+    write_kit,
+)
 
 
 def test_calls_are_filled_in_order_and_as_few_as_the_bytes_allow():
@@ -27,6 +36,16 @@ def test_calls_are_filled_in_order_and_as_few_as_the_bytes_allow():
         [Piece("vllm.tar.xz", 245, 5, 3), Piece("model.gguf", 0, 95, 0)],
         [Piece("model.gguf", 95, 25, 1)],
     ]
+
+
+def test_the_study_s_wheels_and_the_gguf_come_before_vllm():
+    wheels = [Path(f"{dist}-{version}-py3-none-any.whl") for dist, version, _, _ in WHEELS]
+    gguf, vllm = Path("model.gguf"), Path("vllm.tar.xz")
+    order = kit_order(wheels, gguf, vllm)
+    study = len(STUDY_WHEELS)
+    assert order == [*wheels[:study], gguf, *wheels[study:], vllm]
+    assert {path.name.split("-")[0] for path in order[:study]} >= {"trl", "datasets", "math", "gguf", "peft"}
+    assert kit_order(wheels, gguf, None) == [*wheels[:study], gguf]  # --without-vllm: two calls, not four
 
 
 def test_a_wheel_that_does_not_fit_what_is_left_starts_the_next_call():
