@@ -1,6 +1,7 @@
 """Configuration and the checks that need no model: `DAPOConfig` (its fields' types and ranges, the `GRPOConfig`
-fields it honours, its choices, its batch sizes), each prompt's check, the warning for bf16 emulated on a CPU, and `TRLView`, the built trainer's values the
-other sub-packages read. It imports none of the trainer's other modules: every other part may import it."""
+fields it honours, its choices, its batch sizes), each prompt's check, the warning for bf16 emulated on a CPU, and
+`TRLView`, the built trainer's values the other sub-packages read; `reference.py`, run as a script, writes the
+config's reference page from them. It imports none of the trainer's other modules: every other part may import it."""
 
 from .choices import CORRECTION_MODES
 from .config import DAPOConfig

@@ -58,7 +58,7 @@ class DAPOConfig(GRPOConfig, GenerationBatchCheck):
             Completions per device and evaluation batch, for the same reason.
         mask_truncated_completions (`bool`, *optional*, defaults to `False`):
             Overlong filtering: truncated completions get no loss. Off, as in the paper's best run, which uses the
-            soft overlong punishment below instead.
+            soft overlong punishment (`overlong_buffer_len`) instead.
         vllm_importance_sampling_correction (`bool`, *optional*, defaults to `False`):
             With vLLM, its sampled logprobs are used directly as the old policy, so TRL's extra correction factor
             is off. `old_logprobs="recompute"` with `rollout_correction` is the same correction for every generation

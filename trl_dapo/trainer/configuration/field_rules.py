@@ -37,6 +37,9 @@ class Rule:
         return names[self.kind] + (" or None" if self.optional else "")
 
     def expected_range(self) -> str:
+        """The values the field takes, in words (a switch's or a list's: its type)."""
+        if self.kind in (bool, list):
+            return self.expected_type()
         none = " or None" if self.optional else ""
         if self.kind is int:
             if self.low == 1:
