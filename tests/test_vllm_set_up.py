@@ -166,4 +166,4 @@ def test_the_vllm_extra_the_docs_and_the_kit_name_one_version():
     assert extra == {f"vllm=={VLLM_VERSION}", "torch==2.11.0", "transformers>=5.5.3,<6"}
     assert VLLM_INSTALL == 'pip install "trl-dapo[vllm]"'
     docs = (ROOT / "docs" / "vllm.md").read_text()
-    assert 'python -m pip install -e ".[vllm]"' in docs and f"**{VLLM_VERSION}** only" in docs
+    assert 'pip install -e ".[vllm]"' in docs and f"**{VLLM_VERSION}** only" in docs
