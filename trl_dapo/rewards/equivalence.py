@@ -208,10 +208,12 @@ class EquivalenceWorker:
             self._lock.release()
 
     def close(self) -> None:
+        """End the worker; the next call starts another as a first one (`start`)."""
         with self._lock:
             if self._process is not None:
                 self._process.end()
                 self._process = None
+            self._started_once.clear()
 
     def forget_after_fork(self) -> None:
         """In a forked child: new locks (the parent's may have been copied held) and no worker (the parent's pipes,

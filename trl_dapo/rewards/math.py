@@ -35,6 +35,8 @@ CORRECT, INCORRECT = 1.0, -1.0
 ANSWER_TIMEOUT = 1.0  # seconds of math-verify per completion
 BATCH_SECONDS, BATCH_SECONDS_PER_COMPLETION = 10.0, 0.1  # seconds of math-verify per call of the reward
 _WORKER = EquivalenceWorker()
+# how a missing (NaN) or an infinite number reads as text: a ground truth no answer can match
+MISSING_NUMBER_TEXTS = frozenset(f"{sign}{word}" for sign in ("", "+", "-") for word in ("nan", "inf", "infinity"))
 PROMPT_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
@@ -85,11 +87,6 @@ def completion_text(completion: Any, position: int | None = None) -> str:
         "standard dataset) or a list of message dicts (a conversational one, as TRL passes it: "
         "[{'role': 'assistant', 'content': 'Answer: 5'}] for each completion)."
     )
-
-
-MISSING_NUMBER_TEXTS = frozenset(
-    f"{sign}{word}" for sign in ("", "+", "-") for word in ("nan", "inf", "infinity")
-)  # how a missing (NaN) or infinite number reads as text
 
 
 def is_missing(ground_truth: Any) -> bool:
