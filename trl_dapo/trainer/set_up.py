@@ -23,7 +23,13 @@ from trl.trainer.utils import get_callable_name, get_config_model_id
 from ..rewards.columns import check_reward_columns
 from ..rewards.overlong import OVERLONG_REWARD_NAME
 from ..text import plural
-from .collection import check_rollout_precision, collection_strategy, unusable_engine, why_settings_rule_out_engine
+from .collection import (
+    check_rollout_precision,
+    check_vllm_set_up,
+    collection_strategy,
+    unusable_engine,
+    why_settings_rule_out_engine,
+)
 from .configuration import DAPOConfig, check_dataset_prompts
 
 
@@ -120,7 +126,8 @@ def check_set_up(
     environment_factory: Any = None,
 ) -> None:
     """Everything the config, the reward functions and the datasets decide, checked before any model is loaded;
-    `DAPOTrainer`'s arguments of the same names. Raises a `ValueError` naming the field (or function) and the fix."""
+    `DAPOTrainer`'s arguments of the same names. Raises a `ValueError` naming the field (or function) and the fix;
+    with `use_vllm`, an `ImportError` without vLLM and a `ConnectionError` for a server that does not answer."""
     names = reward_function_names(reward_funcs, args)
     functions = len(_as_list(reward_funcs))
     if args.reward_weights is not None and len(args.reward_weights) != functions:
@@ -142,6 +149,7 @@ def check_set_up(
     functions = list(zip(names, _as_list(reward_funcs), strict=False)) if rollout_func is None else []
     check_datasets(args, train_dataset, eval_dataset, args.world_size, environment_factory is not None, functions)
     check_output_dir(args)
+    check_vllm_set_up(args)  # last: it may wait up to vllm_server_timeout for a server
 
 
 def check_output_dir(args: DAPOConfig) -> None:
