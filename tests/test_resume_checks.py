@@ -8,12 +8,15 @@ import json
 import logging
 import os
 import shutil
+import warnings
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_checkpoint_safety import make_trainer, steps_logged
 
+from helpers import arithmetic_prompts, dapo_args, length_reward
+from trl_dapo import DAPOTrainer
 from trl_dapo.trainer.safety.checkpoint_files import SAMPLING_STATE_FILE
 from trl_dapo.trainer.safety.checkpoint_manifest import write_manifest
 
@@ -211,3 +214,40 @@ def test_a_negative_global_step_is_refused(tiny_model, tmp_path):
     resumed = make_trainer(tiny_model, tmp_path, max_steps=3)
     resumed.train(resume_from_checkpoint=True)
     assert steps_logged(resumed) == [1, 2, 3]  # from checkpoint-1
+
+
+def generating_trainer(model, output_dir, **overrides):
+    """TRL's own generation (no scripted rollout): the path that calls transformers' checkpointing aliases."""
+    settings = dict(per_device_train_batch_size=8, learning_rate=1e-3, max_steps=2, dynamic_sampling=False)
+    return DAPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=dapo_args(output_dir, **{**settings, **overrides}),
+        train_dataset=arithmetic_prompts(16),
+    )
+
+
+def test_a_correct_resume_logs_no_missing_key_and_warns_of_no_renamed_checkpointing(tiny_model, tmp_path, caplog):
+    """Before: every run warned four times that `gradient_checkpointing` (TRL's default True), and the model's
+    `is_gradient_checkpointing`, `gradient_checkpointing_disable` and `_enable` (which TRL calls) are deprecated
+    (transformers 5.25), and every resume logged `missing keys ['lm_head.weight']`, the tied embedding that the
+    weights store once. Checkpointing stays on, under its new name."""
+    generating_trainer(tiny_model, tmp_path, max_steps=1, save_strategy="steps", save_steps=1).train()
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logger.addHandler(caplog.handler)  # transformers' logs do not propagate
+    try:
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+            warnings.simplefilter("always")
+            resumed = generating_trainer(tiny_model, tmp_path, save_strategy="steps", save_steps=1)
+            resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    finally:
+        transformers_logger.removeHandler(caplog.handler)
+    assert resumed.state.global_step == 2
+    assert "missing keys" not in caplog.text
+    assert [str(w.message) for w in caught if "checkpointing" in str(w.message)] == []
+    assert resumed.args.activation_checkpointing and resumed.model.is_activation_checkpointing
+
+
+def test_gradient_checkpointing_set_off_reaches_the_new_name(tmp_path):
+    assert dapo_args(tmp_path, gradient_checkpointing=False).activation_checkpointing is False
+    assert dapo_args(tmp_path).activation_checkpointing is True  # TRL's default

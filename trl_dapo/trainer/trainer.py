@@ -61,6 +61,7 @@ from .configuration import (
     check_batch_prompts,
     check_prompt_ids,
     prompt_token_limit,
+    quiet_trl_checkpointing_calls,
     warn_if_cpu_bf16_is_emulated,
 )
 from .safety import (
@@ -123,6 +124,7 @@ class DAPOTrainer(GRPOTrainer):
             kwargs["reward_processing_classes"] = list(kwargs["reward_processing_classes"])
         set_up = ("train_dataset", "eval_dataset", "tools", "rollout_func", "environment_factory")
         check_set_up(args, reward_funcs, **{name: kwargs.get(name) for name in set_up})  # before any model loads
+        quiet_trl_checkpointing_calls()  # TRL calls transformers' deprecated checkpointing aliases
         built_by_trainer = isinstance(model, str)
         model, args = self._load_gguf(model, args, kwargs)
         super().__init__(model, reward_funcs, args, **kwargs)
