@@ -19,6 +19,7 @@ from helpers import arithmetic_prompts, dapo_args, length_reward
 from trl_dapo import DAPOTrainer
 from trl_dapo.trainer.safety.checkpoint_files import SAMPLING_STATE_FILE
 from trl_dapo.trainer.safety.checkpoint_manifest import write_manifest
+from trl_dapo.trainer.safety.resume_checks import check_trainer_files, trainer_files
 
 # a checkpoint inside a generation batch (4 micro-batches a batch, 2 a step) holds every file a resume reads
 INSIDE_A_BATCH = dict(gradient_accumulation_steps=2, steps_per_generation=4)
@@ -182,6 +183,30 @@ def test_a_run_saving_weights_only_resumes_with_the_warning(tiny_model, tmp_path
         resumed.train(resume_from_checkpoint=True)
     assert steps_logged(resumed) == [1, 2]
     assert "holds no optimizer.pt, scheduler.pt, rng_state.pth (saved with save_only_model=True" in caplog.text
+
+
+def test_on_several_processes_each_ones_rng_state_is_checked(checkpoint):
+    """Saved on 2 processes, a checkpoint holds rng_state_0.pth and rng_state_1.pth (the Trainer reads its own
+    process's, saying nothing where it is absent): here rank 1's is absent, and rank 0's cut short."""
+    (checkpoint / "rng_state.pth").rename(checkpoint / "rng_state_0.pth")
+    parameter = torch.zeros(1, requires_grad=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([parameter], lr=1.0), lambda step: 1.0)
+    files = trainer_files(sharded=False, scheduler=scheduler, world_size=2)
+    assert files == {
+        "optimizer.pt": ("state", "param_groups"),
+        "scheduler.pt": ("last_epoch", "base_lrs", "lr_lambdas"),
+        "rng_state_0.pth": ("python", "numpy", "cpu"),
+        "rng_state_1.pth": ("python", "numpy", "cpu"),
+    }
+    assert check_trainer_files(str(checkpoint), files).startswith(
+        f"resume_from_checkpoint={str(checkpoint)!r} holds no rng_state_1.pth (saved with save_only_model=True, "
+    )
+    os.truncate(checkpoint / "rng_state_0.pth", 100)
+    with pytest.raises(RuntimeError, match=r"^rng_state_0.pth of resume_from_checkpoint=.* cannot be read \("):
+        check_trainer_files(str(checkpoint), files)
+    assert trainer_files(sharded=True, scheduler=scheduler, world_size=1) == {
+        "rng_state.pth": ("python", "numpy", "cpu")
+    }
 
 
 def test_weights_lacking_a_tensor_are_refused_naming_it(tiny_model, checkpoint):
