@@ -399,7 +399,7 @@ class DAPOTrainer(GRPOTrainer):
     def _issue_warnings_after_load(self, load_result: Any) -> None:
         """The Trainer's, but a tied tensor (stored once) is not missing, and a missing one is an error."""
         missing = untied_missing_keys(self.model, load_result.missing_keys)
-        if set(missing) - set(self.model._keys_to_ignore_on_save or ()):  # those the Trainer ties again
+        if set(missing) - set(getattr(self.model, "_keys_to_ignore_on_save", None) or ()):  # the Trainer ties these
             raise MissingTensors(missing)
         super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
 

@@ -26,18 +26,20 @@ from transformers.trainer_pt_utils import safe_globals
 
 logger = logging.getLogger(__name__)
 
-# what the Trainer's files hold, for the warning that a resume without them starts it fresh
+# what the Trainer's files hold (by the name's start), for the warning that a resume without them starts it fresh
 FRESH_WITHOUT = {
     "optimizer": "the optimizer's state (AdamW's moments, for one)",
     "scheduler": "the learning-rate schedule (from its first step, warmup included)",
     "rng_state": "the random state (sampling draws other numbers than the saved run would)",
 }
 RNG_FIELDS = ("python", "numpy", "cpu")
-WEIGHTS_FILES = (
+WEIGHTS_FILES = (  # the first one present names the weights in an error
     "model.safetensors",
     "model.safetensors.index.json",
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
 )
 FOREIGN_OBJECT = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
@@ -135,7 +137,7 @@ def check_trainer_files(checkpoint: str, files: dict[str, tuple[str, ...]]) -> s
             absent.append(name)
     if not absent:
         return None
-    fresh = dict.fromkeys(FRESH_WITHOUT[name.split(".")[0].rstrip("_0123456789")] for name in absent)
+    fresh = dict.fromkeys(text for prefix, text in FRESH_WITHOUT.items() for name in absent if name.startswith(prefix))
     return (
         f"resume_from_checkpoint={checkpoint!r} holds no {', '.join(absent)} (saved with save_only_model=True, or "
         f"deleted since): the weights, the step and DAPO's sampling state are restored, but these start fresh: "
@@ -151,7 +153,8 @@ def untied_missing_keys(model: nn.Module, missing_keys: list[str]) -> list[str]:
     """The `missing_keys` of a weights load that name no tensor shared with one loaded: tied embeddings share one
     tensor (`lm_head.weight` is `model.embed_tokens.weight`), which a safetensors save stores under one name."""
     tensors = dict(chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)))
-    loaded = {id(tensor) for name, tensor in tensors.items() if name not in set(missing_keys)}
+    missing = set(missing_keys)
+    loaded = {id(tensor) for name, tensor in tensors.items() if name not in missing}
     return [key for key in missing_keys if key not in tensors or id(tensors[key]) not in loaded]
 
 
