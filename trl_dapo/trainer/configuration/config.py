@@ -9,6 +9,7 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 from trl import GRPOConfig
 
 from .batch_sizes import GenerationBatchCheck, check_batch_unchanged, check_steps_per_generation, check_whole_groups
+from .checkpointing import hand_on_checkpointing
 from .choices import (
     DEFAULT_CORRECTION_MAX,
     DEFAULT_MAX_IN_FLIGHT,
@@ -346,6 +347,7 @@ class DAPOConfig(GRPOConfig, GenerationBatchCheck):
             # TRL turns bf16 on by default, and TrainingArguments then refuses to start where bf16 cannot run (a
             # machine without a bf16 GPU, unless use_cpu=True): turn it on only where it can run.
             self.bf16 = self.use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available()
+        hand_on_checkpointing(self)  # TRL sets gradient_checkpointing, which transformers 5.25 renamed
         super().__post_init__()
         self._check_and_derive_after_trl()
 
