@@ -182,7 +182,10 @@ def report(config: RealModelConfig, output: Path) -> int:
             )
             break
     print(f"wrote {output / 'study.json'}")
-    return 0 if summary["complete"] else 1
+    if summary["left"]:  # a report of an unfinished study is no failure: say what it lacks
+        print(f"incomplete: {len(summary['left'])} runs have no result yet ({', '.join(summary['left'])}); a study "
+              f"call with the same --output runs them.")  # fmt: skip
+    return 0
 
 
 def report_only(output: Path) -> int:

@@ -30,7 +30,7 @@ from .collection import (
     unusable_engine,
     why_settings_rule_out_engine,
 )
-from .configuration import DAPOConfig, check_dataset_prompts
+from .configuration import DAPOConfig, check_dataset_prompts, short_repr
 
 
 def reward_function_names(reward_funcs: Any, args: DAPOConfig) -> list[str]:
@@ -49,7 +49,7 @@ def filter_column(metric: str | None, names: Sequence[str]) -> int | None:
         return None
     if metric not in names:
         raise ValueError(
-            f"DAPOConfig.dynamic_sampling_metric={metric!r} names no reward function; use one of {list(names)} or "
+            f"DAPOConfig.dynamic_sampling_metric={short_repr(metric)} names no reward function; use one of {list(names)} or "
             "'reward' for the weighted total."
         )
     if list(names).count(metric) > 1:
@@ -132,7 +132,7 @@ def check_set_up(
     functions = len(_as_list(reward_funcs))
     if args.reward_weights is not None and len(args.reward_weights) != functions:
         raise ValueError(
-            f"DAPOConfig.reward_weights={args.reward_weights} has {len(args.reward_weights)} weights for {functions} "
+            f"DAPOConfig.reward_weights={short_repr(args.reward_weights)} has {len(args.reward_weights)} weights for {functions} "
             f"reward functions ({names[:functions]}): give one weight per reward function (the overlong penalty "
             "weighs 1 and takes none)."
         )

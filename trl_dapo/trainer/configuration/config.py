@@ -21,7 +21,7 @@ from .choices import (
     SAMPLING_MODES,
     check_choices,
 )
-from .field_rules import check_field_rules, invalid_value
+from .field_rules import check_field_rules, check_generation_kwargs, check_numeric_fields, invalid_value
 from .grpo_fields import reject_unhonoured_settings
 
 
@@ -375,13 +375,16 @@ class DAPOConfig(GRPOConfig, GenerationBatchCheck):
         """What is checked before TRL's and transformers' own `__post_init__` compares any value."""
         check_field_rules(self)  # types and ranges first: every later check, TRL's included, compares values
         reject_unhonoured_settings(self)
+        check_numeric_fields(self)  # every other number: the Trainer's and TRL's (save_steps...), finite
         if self.epsilon_high is None:
             self._derive("epsilon_high", self.epsilon)
         check_choices(self)  # `choices.py`
 
     def _check_and_derive_after_trl(self) -> None:
-        """What needs TRL's derived batch fields (`steps_per_generation`)."""
+        """What needs TRL's derived batch fields (`steps_per_generation`) or the dicts its `__post_init__` reads from
+        JSON strings (`generation_kwargs`)."""
         check_steps_per_generation(self)
+        check_generation_kwargs(self)
         if self.max_surplus_age is None:
             age = self.steps_per_generation // self.gradient_accumulation_steps * self.num_iterations
             self._derive("max_surplus_age", age)
