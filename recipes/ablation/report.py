@@ -1,6 +1,6 @@
 """What the study reports: final held-out accuracy per variant over seeds, its gain over naive GRPO from the same
 start point (paired by seed, with a 95% t interval: the seeds' start points differ far more than the variants do),
-the mechanism metrics at every evaluation point, the issue's targets read off them, the training wall-clock at which
+the mechanism metrics at every evaluation point, the study's targets read off them, the training wall-clock at which
 each variant first reaches the same seed's GRPO final accuracy, tables, and a PNG of the curves.
 
 A run that failed (after its retry) or was not run yet is never left out silently: the summary lists it, counts it
@@ -24,7 +24,7 @@ FULL_DAPO = ("dynamic_sampling", "dapo_paged_engine")
 PAGED = "dapo_paged_engine"
 PARTIAL = "dapo_partial"
 # Partial rollouts cost no learning when the paired difference of final held-out accuracy against the paged engine
-# without them has its 95% interval's lower end above this (issue 36's target).
+# without them has its 95% interval's lower end above this (the study's target for partial rollouts).
 PARTIAL_MARGIN = -0.03
 # Held-out measures at each evaluation point (the policy's own samples on the same prompts for every variant).
 HELD_OUT_MECHANISMS = ("entropy", "truncated", "rechecked", "mean_length", "max_length")
@@ -197,7 +197,7 @@ def _unfinished(config: StudyConfig, records: list[dict]) -> tuple[list[dict], l
 
 
 def read_targets(config: StudyConfig, records: list[dict], metric: str) -> dict:
-    """The issue's targets, per seed and over seeds (95% t intervals), from the runs that finished:
+    """The study's targets, per seed and over seeds (95% t intervals), from the runs that finished:
 
     - GRPO's held-out entropy at the last evaluation over its start (below 1/2: it collapsed);
     - Clip-Higher's and GRPO's final held-out entropy, each with its interval (non-overlapping, Clip-Higher's
@@ -263,7 +263,7 @@ def read_targets(config: StudyConfig, records: list[dict], metric: str) -> dict:
 
 
 def read_partial_rollouts(records: list[dict], metric: str) -> dict:
-    """Partial rollouts against the paged engine without them (issue 36), per seed and over seeds: the paired
+    """Partial rollouts against the paged engine without them, per seed and over seeds: the paired
     difference of final held-out `metric` with its 95% t interval (no loss in learning: the lower end above
     `PARTIAL_MARGIN`), and, on the seeds whose two runs shared the device alike, each one's training wall-clock to the
     seed's `dapo_paged_engine` final accuracy (partial over paged below 1: the same accuracy sooner; a seed where
@@ -371,7 +371,7 @@ def format_mechanisms(summary: dict) -> str:
 
 
 def format_targets(summary: dict) -> str:
-    """The issue's targets as read from the runs (see `read_targets`)."""
+    """The study's targets as read from the runs (see `read_targets`)."""
     read = summary["targets_read"]
 
     def interval(value: dict | None) -> str:

@@ -52,7 +52,7 @@ class RealModelConfig:
     caps: tuple[int, ...] = (96, 128, 192)  # candidate max_completion_length values
     grid_problems: int = 64
     k: int = 16  # samples per problem: avg@k and pass@k, in the grid and in every evaluation
-    max_base_avg: float = 0.05  # the regime: most groups all-wrong at the start ...
+    max_base_avg: float = 0.05  # the study's regime: most groups all-wrong at the start ...
     min_base_pass: float = 0.1  # ... but some problem sometimes right
     min_truncated: float = 0.05  # ... and enough completions at the cap for the overlong shaping to act on
     data_seed: int = 1234

@@ -1,5 +1,5 @@
 """The base model on every (task family, prompt style) at the rollout temperature, sampled once up to the largest
-length cap and scored at every cap (`scoring.cap_scores`), and the regime's candidates by the issue's rule:
+length cap and scored at every cap (`scoring.cap_scores`), and the candidates for the study's regime by its rule:
 
 - base avg@k at most `max_base_avg` and pass@k at least `min_base_pass` (most groups all-wrong, some problems
   sometimes right: dynamic sampling has work);

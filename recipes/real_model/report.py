@@ -238,8 +238,9 @@ def level_times(runs: dict[str, dict[int, dict]], metric: str, level: float) -> 
 
 
 def partial_proposal(comparison: dict) -> dict:
-    """Must-have 6: propose partial rollouts with kept KV as the default where their AUC interval against full DAPO has
-    its lower end above PARTIAL_MARGIN and they took less training wall-clock (paired); otherwise what they cost."""
+    """The partial-rollout verdict: propose partial rollouts with kept KV as the default where their AUC interval
+    against full DAPO has its lower end above PARTIAL_MARGIN and they took less training wall-clock (paired);
+    otherwise say what they cost."""
     auc, seconds = comparison.get("auc_steps"), comparison.get("train_s")
     if not auc or not auc["ci95"] or not seconds:
         return {"verdict": "not measured (fewer than 2 seeds of both)", "propose_default": None}

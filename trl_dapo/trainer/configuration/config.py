@@ -63,7 +63,7 @@ class DAPOConfig(GRPOConfig, GenerationBatchCheck):
         vllm_importance_sampling_correction (`bool`, *optional*, defaults to `False`):
             With vLLM, its sampled logprobs are used directly as the old policy, so TRL's extra correction factor
             is off. `old_logprobs="recompute"` with `rollout_correction` is the same correction for every generation
-            path (TRL's fields stay rejected).
+            path (TRL's fields stay rejected). [vLLM](vllm.md#what-dapotrainer-does-on-vllm) says what differs there.
 
         > Fields added by DAPO
 
@@ -95,9 +95,14 @@ class DAPOConfig(GRPOConfig, GenerationBatchCheck):
         dynamic_sampling_oversample (`str` or `float`, *optional*, defaults to `"1.0"`):
             Size of each candidate round relative to the groups still missing: a number (`1.0` = generate exactly
             what is missing) or `"auto"`, which divides by the running sampling efficiency so most generation batches
-            need one round.
+            need one round. On one H200 (2026-12-02, Qwen2.5-0.5B, 16 prompts x 8), `"auto"` took 4.7x fewer rounds
+            per step than `"1.0"` with half the groups uninformative, 8.3x fewer with 80%
+            ([performance](performance.md#under-zero-3-and-what-dynamic-sampling-costs)). Rounds mode only: stream
+            mode has no rounds and refuses any other value than `"1.0"`.
         dynamic_sampling_max_oversample (`float`, *optional*, defaults to `4.0`):
-            Memory cap: a candidate round never exceeds this many times the generation batch's groups.
+            Memory cap, in generation batches of groups: a candidate round never holds more. In stream mode it caps
+            the groups in flight at once instead (with `partial_rollouts=True`, `partial_rollout_max_in_flight` does),
+            and `max_num_gen_batches` times it bounds a stream's admissions.
         dynamic_sampling_mode (`str`, *optional*, defaults to `"rounds"`):
             `"rounds"`: candidate rounds, each generated to its longest row, then scored and filtered. `"stream"`:
             one generation call per generation batch on the paged engine that scores each group as its last row
@@ -105,46 +110,59 @@ class DAPOConfig(GRPOConfig, GenerationBatchCheck):
             cover the batch (no round tail); its admissions are bounded by `max_num_gen_batches` x
             `dynamic_sampling_max_oversample` generation batches of groups (with `max_num_gen_batches=0`: one pass
             over the training set). Needs `rollout_engine="paged"` (or `"auto"` on CUDA) and reward functions that
-            are plain callables.
+            are plain callables ([design](design.md#streaming-dynamic-sampling)).
         dynamic_sampling_in_flight (`str`, *optional*, defaults to `"finish"`):
             Stream mode: what happens to rows still decoding when the batch is full. `"finish"`: no new prompts, the
             rows in flight finish; their informative groups become surplus (with their rollout logprobs, bounded by
             `max_surplus_age`). `"drop"`: they are abandoned at once (their tokens are wasted, the step ends sooner).
-            `"carry"`: the same as `partial_rollouts=True` (kept so that configs written before that field work).
+            `"carry"`: they are carried into the next batch's stream, the same switch as `partial_rollouts=True`
+            (either sets the other; kept so that configs written before that field work).
         dynamic_sampling_stream_sync_every (`int`, *optional*, defaults to `1`):
-            Stream mode: engine synchronisations (each `sync_every` decode steps) between two agreements of the
-            ranks on the kept and in-flight counts (one small all-reduce); admissions and the end of the batch are
-            decided there only, so the kept groups depend on the seed and the number of ranks, not on timing.
+            Stream mode: engine synchronisations (up to 32 decode steps each) between two agreements of the ranks on
+            the kept and in-flight counts (one small all-reduce); admissions and the end of the batch are decided
+            there only, so the kept groups depend on the seed and the number of ranks, not on timing. A larger value
+            makes fewer all-reduces, and freed slots wait longer for new prompts.
         partial_rollouts (`bool`, *optional*, defaults to `False`):
-            Partial rollouts: a round of generation stops once the groups it must deliver have all ended (the
-            generation batch's groups; with dynamic sampling, each candidate round's), while the engine keeps its
-            decode slots busy with more groups than that; the groups still decoding are carried whole (their
-            finished samples included) into the next round or generation batch and continued there under the weights
-            then current, so no round waits for a tail of a few long rows. A group is trained once, when all its
-            samples have ended; each token keeps the logprob of the policy that sampled it, which stays its old
-            policy in the ratio (with `old_logprobs="recompute"`, `rollout_correction` weighs the tokens an earlier
-            policy sampled like any other). Needs trl-dapo's engine (`rollout_engine="paged"`, or `"auto"` on CUDA).
-            Rounds mode scores the delivered groups through TRL's method as usual; stream mode carries what is in
-            flight when the batch is full (as `dynamic_sampling_in_flight="carry"`). Extra prompts come from the
-            same stream dynamic sampling's extra rounds draw from. Off until the ablation measures its effect on
-            learning.
+            Partial rollouts: a round of generation stops once the groups it must deliver have all ended (rounds
+            mode: the generation batch's groups, or with dynamic sampling each candidate round's; stream mode: once
+            the kept groups cover the batch), while the engine keeps its decode slots busy with more groups than
+            that, so no round waits for a tail of a few long rows. The groups still decoding are carried whole (their
+            finished samples included) into the next round or generation batch, which resumes them first, under the
+            weights then current: their prompt and tokens are prefilled again (unless `partial_rollout_keep_cache`
+            kept their KV). A group is trained once, when all its samples have ended; each token keeps the logprob
+            of the policy that sampled it, which stays its old policy in the ratio (with `old_logprobs="recompute"`,
+            `rollout_correction` weighs the tokens an earlier policy sampled like any other). Carried groups are
+            saved with checkpoints (every rank's; dealt anew when resumed on another number of ranks). Needs
+            trl-dapo's engine (`rollout_engine="paged"`, or `"auto"` on CUDA). Rounds mode scores the delivered
+            groups through TRL's method as usual; stream mode carries what is in flight when the batch is full (as
+            `dynamic_sampling_in_flight="carry"`). Extra prompts come from the same stream dynamic sampling's extra
+            rounds draw from. On one H100 (2026-12-05, a 1.5B model, 8 x 16 completions up to 8,192 tokens) a step
+            took 0.85x a plain round's ([performance](performance.md#what-do-partial-rollouts-and-kept-kv-buy)).
+            Off until a study shows it costs no learning ([design](design.md#partial-rollouts)).
         partial_rollout_max_in_flight (`float`, *optional*, defaults to `3.0`):
             Most groups in flight at once (admitted and not yet ended, carried ones included), in generation batches:
-            it bounds how many optimizer steps old a trained group can be and how many rows are re-prefilled after
-            each step. Must be greater than 1 (at 1 nothing is admitted beyond a batch, so nothing is carried).
+            it bounds how many optimizer steps old a trained group can be and how many rows are prefilled again after
+            each step. A generation batch's dataloader prompts enter its first round whatever the cap. The decode
+            slots are `rollout_max_rows`: set above the completions per step, a round fills the slots beyond its
+            batch's rows with further prompts (from the extra-prompt stream dynamic sampling uses), within this cap.
+            In stream mode it replaces `dynamic_sampling_max_oversample` as the cap on groups in flight. Must be
+            greater than 1 (at 1 nothing is admitted beyond a batch, so nothing is carried).
         partial_rollout_max_age (`int` or `None`, *optional*, defaults to `None`):
             Optimizer steps a carried group may age (since it was first admitted) before it is dropped, untrained
             (`dapo/aged_out_groups`); `None`: never, the in-flight cap bounds the age.
         partial_rollout_keep_cache (`float`, *optional*, defaults to `0.0`):
             Share of the device's memory (the host's on the CPU) the KV cache of the carried rows may hold through the
-            training step: when a round stops, the rows still decoding keep their KV pages (copied out of the
-            engine's pool, which is freed) up to that many bytes, in the order they were admitted, and the next round
+            training step. When a round stops, the rows still decoding keep their KV pages: copied out of the
+            engine's pool (which is freed) in the order they were admitted, within that share and what
+            `rollout_memory_fraction` leaves beside the pool; a row that does not fit is skipped. The next round
             continues them from it under the new weights instead of prefilling their prompt and tokens again (their
             earlier tokens' KV then stays the older weights', as in AReaL's partial rollouts; the per-token rollout
-            logprobs and `rollout_correction` cover the policy mismatch). A row that does not fit, or finds no free
+            logprobs and `rollout_correction` cover the policy mismatch). A row that did not fit, or finds no free
             slot or pages when it resumes, is prefilled as with `0.0` (off). Each stream's KV pool leaves that share
-            free for the copy; the training passes run beside the kept cache: leave them room. Checkpoints do not hold it (a resumed run prefills). `dapo/carried_rows_kept_cache`
-            and `dapo/carried_rows_reprefilled` count each way.
+            free for the copy, so the pool is smaller by it; the training passes run beside the kept cache: leave
+            them room. Not saved with checkpoints (a resumed run prefills). `dapo/carried_rows_kept_cache` and
+            `dapo/carried_rows_reprefilled` count each way. Not measured on a GPU yet
+            ([performance](performance.md#what-do-partial-rollouts-and-kept-kv-buy)).
         overlong_buffer_len (`int` or `None`, *optional*, defaults to `None`):
             Soft overlong punishment buffer L_cache: completions longer than `max_completion_length -
             overlong_buffer_len` get a penalty growing linearly to `-overlong_penalty_factor` at
@@ -153,35 +171,53 @@ class DAPOConfig(GRPOConfig, GenerationBatchCheck):
         overlong_penalty_factor (`float`, *optional*, defaults to `1.0`):
             Size of the overlong penalty at `max_completion_length`.
         rollout_engine (`str`, *optional*, defaults to `"auto"`):
-            Generation path. `"paged"`: trl-dapo's continuous-batching engine over a paged KV cache (bf16 weight
-            snapshot, CUDA-graph decode steps on CUDA), which returns the sampled tokens' logprobs; `"trl"`: TRL's
-            own path (`generate`, vLLM, continuous batching); `"auto"`: `"paged"` on CUDA when the model type and
-            set-up allow it, else TRL's, logging why.
+            Generation path. `"paged"`: trl-dapo's continuous-batching engine over a paged KV cache, which returns the
+            sampled tokens' logprobs (on CUDA a bf16 weight snapshot, CUDA-graph decode steps and a Triton
+            decode-attention kernel; on the CPU float32 and a PyTorch reference attention); `"trl"`: TRL's own path
+            (`generate`, vLLM, continuous batching); `"auto"`: `"paged"` on CUDA when the model and set-up allow it,
+            else TRL's, logging why. The engine serves Llama, Mistral, Qwen2 and Qwen3 models, except with options it
+            does not implement (Llama's `attention_bias` or `mlp_bias`, an activation other than SiLU, a sliding
+            window shorter than the context), and no multimodal model; vLLM, a `rollout_func`, tool calling,
+            transformers' continuous batching, `min_p`, `repetition_penalty`, `generation_kwargs` beyond the sampling
+            ones, FSDP1 or ZeRO-3 with `ds3_gather_for_generation=False` rule it out too. `"paged"` where it cannot
+            serve is an error when the trainer is built, and so is `"auto"` falling back with FP8 rollouts (TRL's path
+            would ignore them). Under ZeRO-3 and FSDP2 its snapshot is gathered from the shards one layer at a time.
+            Its logits take the training head's precision (float32 with `cast_lm_head_to_fp32=True`)
+            ([design](design.md#the-rollout-engine)).
         rollout_memory_fraction (`float`, *optional*, defaults to `0.85`):
             Share of the device's memory the process may hold while the engine generates: weights, optimizer state,
             weight snapshot, KV cache and workspace together. The KV cache takes what is left under it (rows wait or
             are preempted when it is full, never an out-of-memory error) and is freed when generation returns, so
             training can use that memory.
         rollout_max_rows (`int`, *optional*, defaults to `1024`):
-            Decode slots of the engine: rows generated at once, each slot refilled as its row ends.
+            Decode slots of the engine: rows generated at once, each slot refilled as its row ends. With partial
+            rollouts the slots beyond a generation batch's rows take further prompts, within
+            `partial_rollout_max_in_flight`.
         rollout_kv_cache_dtype (`str`, *optional*, defaults to `"bf16"`):
-            The paged engine's KV cache: `"bf16"` (the engine's dtype) or `"fp8"` (e4m3 with a float32 scale per
-            token and KV head: about half the bytes, so twice the tokens in the same memory and half the reads per
-            decode step). Needs CUDA of compute capability 8.9 or more, or the CPU (its reference attention). Like
-            `rollout_weights_dtype="fp8"` it samples from a policy slightly off the training model's, so it needs
-            `old_logprobs="recompute"` and a `rollout_correction` (`"token_mask"` recommended, see the README).
+            The paged engine's KV cache: `"bf16"` (the engine's dtype; float32 on the CPU) or `"fp8"` (e4m3 with a
+            float32 scale per token and KV head, written quantised by the prefill and the decode kernel and read
+            dequantised: about half the bytes, so twice the tokens in the same memory and half the cache reads per
+            decode step). Needs CUDA of compute capability 8.9 or more (Ada, Hopper), or the CPU with
+            `rollout_engine="paged"` (its reference attention). Like `rollout_weights_dtype="fp8"` it samples from a
+            policy slightly off the training model's, so it needs `old_logprobs="recompute"` and a
+            `rollout_correction` (`"token_mask"` recommended: [FP8 rollouts](dapo-config-guide.md#fp8-rollouts)).
+            Off by default: on one H100 (2026-12-06) it was not faster than bf16
+            ([performance](performance.md#what-did-not-pay-fp8)).
         rollout_weights_dtype (`str`, *optional*, defaults to `"bf16"`):
             The paged engine's decoder-layer linear weights: `"bf16"` or `"fp8"` (e4m3 with a scale per output
             channel, quantised from the bf16 snapshot, LoRA merged, at each weight sync; activations quantised per
             token; FP8 tensor cores through `torch._scaled_mm`). The output head stays bf16. Needs CUDA of compute
-            capability 8.9 or more (Ada, Hopper), and like the FP8 cache a recomputed old policy and a correction.
+            capability 8.9 or more (Ada, Hopper), elsewhere an error when the trainer is built, before the model
+            loads; and linear layers whose sizes are multiples of 16. Like the FP8 cache it needs a recomputed old
+            policy and a correction ([FP8 rollouts](dapo-config-guide.md#fp8-rollouts)).
         old_logprobs (`str`, *optional*, defaults to `"rollout"`):
             The old policy π_old of the ratio π_θ / π_old that Clip-Higher and the dual clip act on. `"rollout"`: the
             logprobs of the policy that sampled, as the generation engine returned them (no extra pass). `"recompute"`:
             the training model's own logprobs of the sampled tokens, computed once per generation batch before any
             update (one no-grad forward pass, micro-batched like training; rows whose logprobs TRL's own pass already
             computed under the current weights keep them), as the reference recipe does. The clip then acts on
-            policy change alone, and `rollout_correction` can correct for the train/rollout mismatch.
+            policy change alone, and `rollout_correction` can correct for the train/rollout mismatch
+            ([which to use](design.md#which-to-use)).
         rollout_correction (`str` or `None`, *optional*, defaults to `None`):
             With `old_logprobs="recompute"`, each token's clipped loss is weighted (detached) by a function of ρ =
             π_old / π_rollout: `"token_truncate"` min(ρ_t, max) (TIS), `"token_mask"` ρ_t inside [min, max], 0 outside
@@ -200,19 +236,24 @@ class DAPOConfig(GRPOConfig, GenerationBatchCheck):
             flash attention on CUDA in bf16/fp16; elsewhere one SDPA call per row). Each optimizer step's rows are
             dealt to the ranks and to their passes by tokens rather than by rows. `None` turns it on where flash
             attention runs (CUDA with bf16 or fp16), since elsewhere the per-row calls cost more than the padding
-            they save on short rows; `False` keeps padded passes: rows split evenly by count, each micro-batch padded
-            to its longest row. Where the model cannot run packed (see the log), the padded passes run.
+            they save on short rows; `True` packs anywhere; `False` keeps padded passes: rows split evenly by count,
+            each micro-batch padded to its longest row. Where the model or set-up cannot run packed (a multimodal
+            model, sliding-window attention, layers other than full attention, ...), the padded passes run and the
+            log says why: an INFO line for `None` off CUDA, else a warning ([log lines](metrics.md#log-lines)). On
+            one H200 (2026-12-04) padded passes took 3.9-5.6x the packed ones' training time at DAPO's lengths
+            ([performance](performance.md#padding-free-training-against-padded-passes),
+            [design](design.md#padding-free-training)).
         padding_free_max_tokens (`int` or `None`, *optional*, defaults to `None`):
             Most tokens (prompt and completion) in one padding-free pass on one device, like verl's
             `ppo_max_token_len_per_gpu`: a micro-batch with more runs as several forward/backward passes, and a row
             longer than the cap trains alone. `None`: one pass per micro-batch (its share of the step's tokens). With
-            `padding_free=False` a cap is an error; where the passes fall back to padded it does not apply, and a
-            warning says so once.
+            `padding_free=False` a cap is an error; where the passes fall back to padded (`padding_free=None` off
+            CUDA, a model that cannot pack) it does not apply, and a warning says so once.
         max_prompt_length (`int` or `None`, *optional*, defaults to `None`):
-            Most tokens in a prompt (chat template included): a longer prompt is an error naming it, its length and
-            the limit, before anything is generated from it (TRL 1.16 dropped its field of this name, which truncated:
-            a truncated problem is another problem with the same ground truth). `None`: the model's
-            `max_position_embeddings` less `max_completion_length`.
+            Most tokens in a prompt (chat template included): a longer prompt is an error naming it (its position in
+            the batch and its start), its length and the limit, before anything is generated from it (TRL 1.16
+            dropped its field of this name, which truncated: a truncated problem is another problem with the same
+            ground truth). `None`: the model's `max_position_embeddings` less `max_completion_length`.
     """
 
     bf16: bool | None = field(

@@ -52,7 +52,7 @@ def set_up_padding_free(view: TRLView) -> bool:
         unused = (
             f" DAPOConfig.padding_free_max_tokens={cap} does not apply: it caps padding-free passes." if cap else ""
         )
-        # on a GPU padded passes take several times as long at DAPO's lengths (README, Speed): a warning there
+        # on a GPU padded passes take several times as long at DAPO's lengths (docs/performance.md): a warning there
         expected = args.padding_free is None and accelerator.device.type != "cuda" and not cap
         logger.log(logging.INFO if expected else logging.WARNING, "Training passes are padded: %s.%s", reason, unused)
     return False
