@@ -9,6 +9,7 @@ are geometric with mean about 2,000, capped at the maximum: DAPO's long, uneven 
 from __future__ import annotations
 
 import functools
+import math
 import tempfile
 from pathlib import Path
 
@@ -80,6 +81,18 @@ def token_prompts(rows: int, length: int, vocab_size: int, group: int = 16, seed
     generator = torch.Generator().manual_seed(seed)
     groups = torch.randint(3, vocab_size, (-(-rows // group), length), generator=generator).tolist()
     return [groups[row // group] for row in range(rows)]
+
+
+def geometric_lengths(rows: int, cap: int, end_probability: float, seed: int = 0) -> list[int]:
+    """Per-row completion lengths as a random-init model samples them, drawn once so that every engine can be given
+    the same ones: the end token comes with `end_probability` at each step (1/vocabulary for a near-uniform model), so
+    a length is geometric on 1, 2, ... (the end token counted) and cut at `cap`. Inverse CDF of a seeded uniform:
+    P(L > k) = (1 - p)^k."""
+    if not 0 < end_probability < 1:
+        raise ValueError(f"end_probability={end_probability} must be in (0, 1).")
+    uniform = torch.rand(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    lengths = torch.floor(torch.log1p(-uniform) / math.log1p(-end_probability)) + 1
+    return lengths.clamp(max=cap).long().tolist()
 
 
 def parity_reward(completion_ids, **kwargs) -> list[float]:

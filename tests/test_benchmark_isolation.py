@@ -1,7 +1,7 @@
 """Measurements in processes of their own (`benchmarks/isolated.py`): how a child's end becomes an outcome, what a
 rerun skips, the micro-batch ladder of `bench_step.py`'s isolated kinds, and the pieces of `bench_peers.py` that need
-no engine (shapes, the tail, a timed-out call's bound); `bench_step.py` running TRL's continuous batching beside DAPO,
-each in its own process, on the CPU."""
+no engine (shapes, the tail, what a timed-out measurement keeps, the shared lengths' draw, vLLM's arguments built
+without vLLM); `bench_step.py` running TRL's continuous batching beside DAPO, each in its own process, on the CPU."""
 
 import argparse
 import json
@@ -11,13 +11,23 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from benchmarks.bench_peers import parse_shape, timeout_bound
+from benchmarks.bench_peers import cut_off, parse_shape
 from benchmarks.isolated import ERROR, OK, OUT_OF_MEMORY, TIMEOUT, Outcome, already_done, run_isolated
-from benchmarks.peer_engines import tail_seconds, tail_steps
+from benchmarks.peer_engines import (
+    tail_seconds,
+    tail_steps,
+    vllm_capture_sizes,
+    vllm_engine_kwargs,
+    vllm_logprobs,
+    vllm_sampling_kwargs,
+)
 from benchmarks.step_isolation import climb, micro_batch_ladder
+from benchmarks.workload import geometric_lengths
 
 ROOT = Path(__file__).parent.parent
 
@@ -162,19 +172,100 @@ def test_the_tail_counts_the_steps_and_seconds_with_under_a_quarter_of_the_rows_
 
 def test_a_shape_names_its_model_rows_lengths_and_prompts():
     shape = parse_shape("qwen2.5-1.5b-v2048@128x8192")
-    assert (shape.model, shape.rows, shape.new_tokens, shape.prompt_tokens, shape.fixed, shape.math) == (
-        "qwen2.5-1.5b-v2048", 128, 8192, 256, False, False,
+    assert (shape.model, shape.rows, shape.new_tokens, shape.prompt_tokens, shape.lengths, shape.math) == (
+        "qwen2.5-1.5b-v2048", 128, 8192, 256, "shared", False,
     )  # fmt: skip
-    assert parse_shape("qwen2.5-7b@64x512-fixed").prompt_tokens == 32
+    fixed = parse_shape("qwen2.5-7b@64x512-fixed")
+    assert (fixed.prompt_tokens, fixed.lengths) == (32, "fixed")
+    assert parse_shape("qwen2.5-1.5b-v2048@128x8192p64-free").lengths == "free"
     assert parse_shape("smollm2@512x256-math").math and parse_shape("tiny@4x6p8-fixed").prompt_tokens == 8
-    # a timed-out call of 1,024 rows x 8,192 tokens that ran 400 s had generated under 1024 * 8192 / 400 tok/s
-    assert timeout_bound(shape, 400.0) == pytest.approx(128 * 8192 / 400)
+
+
+def test_a_measurement_cut_off_keeps_its_finished_calls_and_bounds_the_call_it_was_in():
+    """A child ended by its time limit: 2 measured calls finished (1,000 and 1,100 tok/s); the third started at t=100
+    and was cut at t=140, its engine having reported 30 rows and 12,000 tokens finished. Of that call's 20,000 tokens
+    (the shared lengths' sum), at most 20,000 / 40 s = 500 tok/s were done and at least 12,000 / 40 s = 300."""
+    calls = [{"tokens_per_s": 1000.0}, {"tokens_per_s": 1100.0}]
+    progress = {"calls": calls, "repeat": 2, "measuring_since": 100.0, "rows_done": 30, "tokens_done": 12000,
+                "time": 130.0}  # fmt: skip
+    found = cut_off(Outcome(TIMEOUT, 200.0, progress=progress, finished_at=140.0), most_tokens=20000)
+    assert found == {
+        "completed_calls": calls, "cut_call_s": 40.0, "tokens_per_s_below": 500.0,
+        "tokens_done_by_deadline": 12000, "rows_done_by_deadline": 30, "tokens_per_s_at_least": 300.0,
+    }  # fmt: skip
+    # an engine that reports no rows (the paged engine, vLLM): the upper bound alone
+    quiet = {key: progress[key] for key in ("calls", "repeat", "measuring_since", "time")}
+    assert "tokens_per_s_at_least" not in cut_off(Outcome(TIMEOUT, 200.0, progress=quiet, finished_at=140.0), 20000)
+    # cut between two calls (the third not begun): the finished calls alone
+    between = {**quiet, "repeat": 1}
+    assert cut_off(Outcome(TIMEOUT, 200.0, progress=between, finished_at=140.0), 20000) == {"completed_calls": calls}
+    assert cut_off(Outcome(TIMEOUT, 60.0, progress={"phase": "building"}, finished_at=60.0), 20000) == {}
+
+
+def test_shared_lengths_are_geometric_in_the_end_tokens_probability_and_capped():
+    """A random-init model over 2,048 tokens ends a row with probability p = 1/2,048 per step: a length is geometric
+    (P(L > k) = (1 - p)^k), cut at 8,192. Its mean is sum_{k<8192} (1-p)^k = (1 - (1-p)^8192) / p = 2,010.5, and a
+    share (1-p)^8191 = 0.0183 of rows reach the cap; 100,000 draws are within 1.5% and 0.002 of those."""
+    p = 1 / 2048
+    lengths = torch.tensor(geometric_lengths(100_000, 8192, p, seed=0), dtype=torch.float64)
+    assert lengths.min() >= 1 and lengths.max() == 8192
+    assert lengths.mean().item() == pytest.approx((1 - (1 - p) ** 8192) / p, rel=0.015)
+    assert (lengths == 8192).double().mean().item() == pytest.approx((1 - p) ** 8191, abs=0.002)
+    assert geometric_lengths(64, 512, p, seed=3) == geometric_lengths(64, 512, p, seed=3)  # drawn once, the same
+    assert geometric_lengths(64, 512, p, seed=3) != geometric_lengths(64, 512, p, seed=4)
+    assert geometric_lengths(4, 10, 0.999999, seed=0) == [1, 1, 1, 1]  # the end token at once
+
+
+def test_vllm_is_built_for_offline_throughput_at_the_shapes_rows():
+    """`vllm.LLM`'s arguments at 1,024 rows: every row in one batch, graphs captured up to 1,024 sequences (vLLM's
+    default pattern 1, 2, 4, 8..248 by 8, 256..1,024 by 16: 3 + 31 + 49 sizes), async scheduling, 16,384 batched
+    tokens, no tokenizer with exact lengths; at 100 rows the pattern stops at 96 and 100 is added."""
+    kwargs = vllm_engine_kwargs(Path("/models/m"), rows=1024, memory_fraction=0.9, exact_lengths=True)
+    sizes = kwargs.pop("compilation_config")
+    assert kwargs == {
+        "model": "/models/m", "dtype": "bfloat16", "seed": 0, "gpu_memory_utilization": 0.9,
+        "logprobs_mode": "processed_logprobs", "enable_prefix_caching": True, "max_num_seqs": 1024,
+        "max_num_batched_tokens": 16384, "async_scheduling": True, "skip_tokenizer_init": True,
+    }  # fmt: skip
+    assert sizes["max_cudagraph_capture_size"] == 1024 == max(sizes["cudagraph_capture_sizes"])
+    assert len(sizes["cudagraph_capture_sizes"]) == 3 + 31 + 49 and sizes["cudagraph_capture_sizes"][:5] == [
+        1,
+        2,
+        4,
+        8,
+        16,
+    ]
+    assert vllm_capture_sizes(100)[-3:] == [88, 96, 100] and vllm_capture_sizes(1) == [1]
+    free = vllm_engine_kwargs(Path("m"), rows=32768, memory_fraction=0.5, exact_lengths=False)
+    assert free["max_num_batched_tokens"] == 32768 and free["skip_tokenizer_init"] is False  # its end token needed
+
+
+def test_vllm_samples_each_row_to_its_length_without_detokenizing():
+    exact = vllm_sampling_kwargs(3, 8192, [5, 8192, 1], logprobs=True)
+    common = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "detokenize": False, "logprobs": 0,
+              "flat_logprobs": True, "ignore_eos": True}  # fmt: skip
+    assert exact == [{**common, "max_tokens": 5}, {**common, "max_tokens": 8192}, {**common, "max_tokens": 1}]
+    free = vllm_sampling_kwargs(2, 512, None, logprobs=False)
+    assert free == [{"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "detokenize": False, "max_tokens": 512}] * 2
+
+
+def test_vllms_logprobs_are_read_from_its_flat_form_or_per_position():
+    """The sampled tokens' logprobs, every completion after the other: a flat output's column, or (an older vLLM)
+    the sampled token's entry of each position's dictionary."""
+
+    def output(token_ids, logprobs):
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=token_ids, logprobs=logprobs)])
+
+    flat = output([7, 9], SimpleNamespace(logprobs=[-0.5, -1.25], start_indices=[0, 1]))
+    nested = output([3], [{3: SimpleNamespace(logprob=-2.0)}])
+    assert vllm_logprobs([flat, nested]).tolist() == [-0.5, -1.25, -2.0]
 
 
 @pytest.mark.parametrize(
     ("text", "says"),
     [("qwen2.5-1.5b@128", "expected MODEL@ROWSxNEW"), ("llama-9@8x8", "MODEL is a config"),
-     ("qwen2.5-0.5b@8x8-math", "-math"), ("smollm2@8x8p16-math", "-math takes no pPROMPT")],
+     ("qwen2.5-0.5b@8x8-math", "-math"), ("smollm2@8x8p16-math", "-math takes no pPROMPT"),
+     ("tiny@8x8-fixed-free", "expected MODEL@ROWSxNEW")],
 )  # fmt: skip
 def test_a_malformed_shape_is_refused_with_what_is_expected(text, says):
     with pytest.raises(argparse.ArgumentTypeError, match=says):

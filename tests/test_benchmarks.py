@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.workload import geometric_lengths
+
 ROOT = Path(__file__).parent.parent
 # The tiny local model (trl_dapo.testing): vocabulary 366, hidden 64, MLP 128, 2 layers, 4 query / 2 key-value heads
 # of 16 dims, q/k/v biases, tied embeddings. Parameters: per layer q 64*64+64, k and v 64*32+32 each, o 64*64,
@@ -218,45 +220,110 @@ def test_bench_rollout_tiny_counts_tokens_and_bandwidth_floor(tmp_path):
     assert all(r["bandwidth_use"] > 0 for runs in by_shape.values() for r in runs.values())
 
 
-def test_bench_peers_tiny_runs_each_engine_on_the_same_prompts_and_a_rerun_skips_them(tmp_path):
+def test_bench_peers_tiny_gives_every_engine_the_same_lengths_and_a_rerun_skips_them(tmp_path):
     """`bench_peers.py` on the CPU: the paged engine and continuous batching (through TRL's own generation path), each
-    in its own process, on the same saved tiny model and prompt ids; then each engine's logprob gap to the training
-    forward in a fresh process, and (`--smoke`) the paged engine's kernel profile. In float32 the paged engine's
-    logprobs are the training forward's up to summation order; with lengths pinned (`-fixed`) it blocks the end token,
-    so each logprob is the renormalised distribution's, log p - log(1 - p_end): a gap of -log(1 - p_end) > 0 per
-    token (about 1/366 on the random tiny model)."""
-    arguments = ["--smoke", "--shapes", "tiny@8x16p8", "tiny@4x6-fixed-math", "--checkpoints", str(tmp_path / "ck"),
+    in its own process, on the same saved tiny model and prompt ids, 3 measured calls each; then each engine's logprob
+    gap to the training forward in a fresh process, and (`--smoke`) the paged engine's kernel profile.
+
+    Shared lengths (the default): one list drawn from the random model's end-token distribution (probability 1/366
+    a step, capped at 96: about a fifth of the rows end earlier), kept in the JSON, and every engine generates exactly
+    those lengths in every call. `-fixed`: every row 6 tokens. `-free`: each engine to its own end tokens. In float32
+    the paged engine's logprobs are the training forward's up to summation order; with the end token blocked (shared
+    and fixed lengths) each is the renormalised distribution's, log p - log(1 - p_end): a gap of -log(1 - p_end) > 0
+    per token (about 1/366 on the random tiny model)."""
+    shapes = ["tiny@16x96p8", "tiny@4x6-fixed-math", "tiny@8x16p8-free"]
+    arguments = ["--smoke", "--shapes", *shapes, "--checkpoints", str(tmp_path / "ck"),
                  "--samples", str(tmp_path / "samples")]  # fmt: skip
     stdout, results = run_tiny("bench_peers", tmp_path, *arguments)
     records = {(r["shape"], r["engine"], r["kind"]): r for r in results["results"]}
-    assert set(records) == {
-        (shape, engine, "generate") for shape in ("tiny@8x16p8", "tiny@4x6-fixed-math") for engine in ("paged", "cb")
-    } | {("tiny@8x16p8", "paged", "profile")}
+    assert set(records) == {(shape, engine, "generate") for shape in shapes for engine in ("paged", "cb")} | {
+        ("tiny@16x96p8", "paged", "profile")
+    }
+    shared = results["lengths"]["tiny@16x96p8"]
+    assert shared["source"] == "geometric" and shared["end_probability"] == pytest.approx(1 / 366)
+    assert shared["lengths"] == geometric_lengths(16, 96, 1 / 366, seed=0) and min(shared["lengths"]) < 96
+    assert set(results["lengths"]) == {"tiny@16x96p8"}  # fixed and free lengths are not drawn
+    expected = {"tiny@16x96p8": shared["lengths"], "tiny@4x6-fixed-math": [6] * 4}
     for (shape, engine, kind), r in records.items():
         assert r["status"] == "ok", r
-        if kind == "profile":  # 16 pinned tokens: the first from the prefill, then 15 decode steps
-            assert r["profiled_tokens"] == 16 and r["profile"]["us_per_step"] > 0 and 0 < r["prefill_share"] < 1
+        if kind == "profile":  # 64 tokens every row: the first from the prefill, then 63 decode steps
+            assert r["profiled_tokens"] == 64 and r["profile"]["us_per_step"] > 0 and 0 < r["prefill_share"] < 1
             continue
         samples = torch.load(r["samples"])
         lengths = samples["lengths"].tolist()
         assert r["useful_tokens"] == sum(lengths) == len(samples["tokens"]) and max(lengths) <= r["new_tokens"]
-        assert r["tokens_per_s"] == pytest.approx(r["useful_tokens"] / r["seconds"])
+        assert len(r["calls"]) == 3 and r["tokens_per_s"] == pytest.approx(r["useful_tokens"] / r["seconds"])
+        speeds = sorted(call["tokens_per_s"] for call in r["calls"])
+        assert r["tokens_per_s_spread"] == {"median": speeds[1], "min": speeds[0], "max": speeds[2]}
+        assert r["tokens_per_s"] == speeds[1]  # the median call's samples are kept
+        assert r["ms_per_step"] == pytest.approx(1e3 * r["seconds"] / max(lengths))
         longest = sorted(lengths, reverse=True)  # steps with under a quarter of the rows running
         assert r["tail_steps"] == longest[0] - longest[math.ceil(len(lengths) / 4) - 1]
+        if shape in expected:  # every engine, every call: exactly the shape's lengths
+            assert lengths == expected[shape] and r["lengths_match"] is True
+        else:
+            assert r["lengths_match"] is None
         gap = r["logprob_gap"]
         assert gap["status"] == "ok" and gap["returned"] == (engine == "paged")
-        if shape == "tiny@4x6-fixed-math":
-            assert lengths == [6] * 4
-            assert engine == "cb" or 1e-4 < gap["mean"] <= gap["max"] < 0.05
+        if engine == "paged" and shape in expected:
+            assert gap["tokens"] == sum(lengths) and 1e-4 < gap["mean"] <= gap["max"] < 0.05
         elif engine == "paged":
             assert gap["tokens"] == sum(lengths) and gap["max"] < 1e-4
-    for shape in ("tiny@8x16p8", "tiny@4x6-fixed-math"):
+    for shape in shapes:
         paged, cb = (torch.load(records[(shape, e, "generate")]["samples"])["prompts"] for e in ("paged", "cb"))
         assert paged == cb and len(paged) == records[(shape, "paged", "generate")]["rows"]
-    assert paged[0][0] == 1 and len(set(map(tuple, paged))) == 1  # <|im_start|>: the chat template; one group
-    assert "| tiny@8x16p8 | paged |" in stdout and "none returned" in stdout
+    math_prompts = torch.load(records[("tiny@4x6-fixed-math", "paged", "generate")]["samples"])["prompts"]
+    assert math_prompts[0][0] == 1 and len(set(map(tuple, math_prompts))) == 1  # <|im_start|>: chat template; a group
+    assert "| tiny@16x96p8 | paged | shared |" in stdout and "none returned" in stdout
+    assert "- tiny@16x96p8: shared lengths (geometric" in stdout
     _, again = run_tiny("bench_peers", tmp_path, *arguments, "--skip-done")
-    assert again["results"] == results["results"]
+    assert again["results"] == results["results"] and again["lengths"] == results["lengths"]
+
+
+def test_bench_peers_measures_no_logprob_gap_with_gap_rows_0(tmp_path):
+    """`--gap-rows 0`: the engines are measured and no gap process runs (its padded batch of no rows had no width)."""
+    arguments = ["--shapes", "tiny@4x6p8", "--engines", "paged", "--repeats", "1", "--gap-rows", "0",
+                 "--checkpoints", str(tmp_path / "ck"), "--samples", str(tmp_path / "samples")]  # fmt: skip
+    _, results = run_tiny("bench_peers", tmp_path, *arguments)
+    (record,) = results["results"]
+    assert record["status"] == "ok" and "logprob_gap" not in record
+    assert not list((tmp_path / "samples").glob("*gaps*"))
+
+
+def test_continuous_batching_gives_each_row_its_length_and_reports_rows_as_they_finish(tmp_path):
+    """Transformers' continuous batching through TRL's `_generate_single_turn`, each request given its row's exact
+    length as its manager receives it (rows of one prompt in row order), and every finished row reported, the last
+    report holding every row and token: what a call cut off by a time limit reports instead of nothing."""
+    from benchmarks.peer_engines import ContinuousBatchingPeer
+    from benchmarks.workload import CPU_CB_CONFIG
+    from trl_dapo.tiny_model import build_tiny_model
+
+    build_tiny_model(tmp_path / "tiny")
+    engine = ContinuousBatchingPeer(
+        tmp_path / "tiny", rows=8, exact_lengths=True, device="cpu", max_new_tokens=12, memory_fraction=0.5,
+        cb_config=CPU_CB_CONFIG,
+    )  # fmt: skip
+    reports = []
+    engine.report = lambda rows, tokens: reports.append((rows, tokens))
+    prompts = [[5, 6, 7]] * 4 + [[8, 9]] * 4  # two groups of identical prompts
+    lengths = [3, 12, 1, 7, 12, 2, 9, 5]
+    generated = engine.generate(prompts, 12, lengths)
+    assert [len(c) for c in generated.completions] == lengths and generated.logprobs is None
+    assert reports[-1] == (8, sum(lengths)) and [rows for rows, _ in reports] == list(range(1, 9))
+
+
+def test_a_real_models_shared_lengths_come_from_one_unconstrained_call_of_the_paged_engine(tmp_path):
+    """The lengths a pretrained model's completions take (SmolLM2's shape): the paged engine once, seeded, to the end
+    token or the shape's maximum; the same seed gives the same lengths."""
+    from benchmarks.peer_worker import measured_lengths
+    from trl_dapo.tiny_model import build_tiny_model
+
+    build_tiny_model(tmp_path / "tiny")
+    spec = {"model": "tiny", "folder": str(tmp_path / "tiny"), "device": "cpu", "rows": 16, "new_tokens": 200,
+            "prompt_tokens": 8, "math": False, "memory_fraction": 0.9, "seed": 0, "lengths": None}  # fmt: skip
+    lengths = measured_lengths(spec)["lengths"]
+    assert len(lengths) == 16 and max(lengths) <= 200 and min(lengths) < 200  # some rows sampled their end token
+    assert measured_lengths(spec)["lengths"] == lengths
 
 
 def test_profile_decode_fp8_cache_option_builds_an_fp8_engine_and_skips_the_bf16_microbenchmarks(tmp_path):
