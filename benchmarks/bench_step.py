@@ -8,29 +8,36 @@ with the old policy recomputed; training MFU and decode bandwidth use against th
     python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_partial dapo_partial_kept --carry-max-rows 256
         # partial rollouts re-prefilling their carried rows and keeping their KV, in a slot pool twice the batch's
     python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_fp8 dapo_fp8_partial  # FP8 rollouts
-    python3 -m benchmarks.bench_step --variable-lengths --kinds dapo trl_vllm trl_cb --warmup 1 trl_vllm=0 trl_cb=0 \
-        --micro-batches 32 16 8   # against TRL with vLLM colocated and with continuous batching, a process each
+    python3 -m benchmarks.bench_step --variable-lengths --fair --new-tokens 2048 --micro-batches 16 \
+        --kinds dapo trl_vllm dapo_vllm trl_cb   # equal work against TRL with vLLM and continuous batching
 
 Both trainers get the same random-init model, prompts, batch geometry and seed. By default generation lengths are
-pinned with `min_new_tokens = max_completion_length`, so both sides decode the same number of tokens. With
-`--variable-lengths` nothing is pinned and the vocabulary has 2,048 tokens, so lengths are geometric with mean about
-2,000 up to the maximum (4,096): TRL's `generate` decodes every row until the longest ends, DAPO's engine what it
-decodes. Tokens/s is the tokens generated over generation time (the completions' lengths, or where trl-dapo's engine
-generated, its own count). Where the engine generated, a second table gives its calls per step: decode steps, the
-tail's share of them (steps with under a quarter of the engine's `--max-rows` slots busy), and the rows carried
-across steps by partial rollouts (left in flight at the end of a step, resumed with their prompt and tokens prefilled
-again, or from their kept KV), with the share of trained tokens an earlier step's weights sampled and the trained
-groups' age. Prints the tables last and writes everything to `benchmarks/results/<name>.json` after every trainer.
+pinned (`--pin-lengths`: `min_new_tokens = max_completion_length`, vLLM's `min_tokens`, no end token for continuous
+batching), so every kind decodes the same number of tokens. With `--variable-lengths` nothing is pinned (unless
+`--pin-lengths` or `--fair`) and the vocabulary has 2,048 tokens, so lengths are geometric with mean about 2,000 up to
+the maximum (4,096): TRL's `generate` decodes every row until the longest ends, DAPO's engine what it decodes; each
+kind samples its own lengths, so compare steps per generated token (`step us / gen tok`). Tokens/s is the tokens
+generated over generation time (the completions' lengths, or where trl-dapo's engine generated, its own count).
+Where the engine generated, a second table gives its calls per step: decode steps, the tail's share of them (steps
+with under a quarter of the engine's `--max-rows` slots busy), and the rows carried across steps by partial rollouts
+(left in flight at the end of a step, resumed with their prompt and tokens prefilled again, or from their kept KV),
+with the share of trained tokens an earlier step's weights sampled and the trained groups' age. Prints the tables
+last and writes everything to `benchmarks/results/<name>.json` after every trainer.
 
-TRL's other generation paths (`trl_vllm`, `trl_vllm_awake`, `trl_cb`) and DAPOTrainer on TRL's vLLM path
-(`dapo_vllm`) are kinds too. vLLM loads its model from a folder, so with a vLLM kind every kind loads the same weights
-saved once to `--checkpoints`, and each kind runs in a process of its own (`--isolate`, `step_isolation.py`), where
-one that runs out of memory runs again at the next of `--micro-batches`. Each DAPO step is set against each of them.
+TRL's other generation paths (`trl_vllm`, `trl_cb`) and DAPOTrainer on TRL's vLLM path (`dapo_vllm`) are kinds too,
+TRL's set as a competent user would for DAPO's algorithm (below: no importance-sampling pass, vLLM asleep only where
+memory needs it, Liger with `--liger`, the attention of `--attention`; each kind's record says which it ran). vLLM
+loads its model from a folder, so with a vLLM kind every kind loads the same weights saved once to `--checkpoints`,
+and each kind runs in a process of its own (`--isolate`, `step_isolation.py`), where one that runs out of memory runs
+again at the next of `--micro-batches`. Each DAPO step is set against each of them, and `dapo_vllm` against
+`trl_vllm` (the same vLLM, seed and weights: the same completions). `--fair` holds the work and the settings equal:
+lengths pinned, every kind one warm-up step (at least) and two measured steps (at least), one micro-batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import tempfile
 from pathlib import Path
 
@@ -75,20 +82,22 @@ FP8_ROLLOUTS = {
     "rollout_correction": "token_mask",
 }
 # TRL's own generation paths, each as a TRL user turns it on (GRPOConfig fields): its `generate` (`trl`), vLLM in the
-# trainer's process (`trl_vllm`, sleeping between rollouts: level 2 frees its weights and KV cache for the training
-# passes, and each rollout pushes the weights again; `trl_vllm_awake` keeps it resident), transformers' continuous
-# batching (`trl_cb`). `dapo_vllm` is DAPOTrainer on TRL's vLLM path, asleep as `trl_vllm`, training as `dapo`.
+# trainer's process (`trl_vllm`), transformers' continuous batching (`trl_cb`). `trl_vllm` is set as a user wanting
+# DAPO's algorithm would: without TRL's importance-sampling correction (DAPO has none; with it TRL runs a logprob pass
+# of the training model every step), sleeping between rollouts (level 2: its weights and KV cache leave the device for
+# the training passes, each rollout pushes the weights again) only where the awake engine leaves too little memory
+# (`--vllm-sleep`). `dapo_vllm` is DAPOTrainer on TRL's vLLM path (no correction either), training as `dapo`.
 # vLLM loads the model from a folder: every kind of such a comparison loads the same saved weights (`--checkpoints`).
+# `--liger` gives TRL's kinds Liger's kernels, `--attention` every kind's model its attention implementation.
 VLLM_COLOCATE = {"use_vllm": True, "vllm_mode": "colocate"}
 TRL_KINDS = {
     "trl": {},
-    "trl_vllm": {**VLLM_COLOCATE, "vllm_enable_sleep_mode": True},
-    "trl_vllm_awake": {**VLLM_COLOCATE, "vllm_enable_sleep_mode": False},
+    "trl_vllm": {**VLLM_COLOCATE, "vllm_importance_sampling_correction": False},
     "trl_cb": {"use_transformers_continuous_batching": True},
 }
 COMPARISON_KINDS = {
     **TRL_KINDS,
-    "dapo_vllm": {"padding_free": True, **VLLM_COLOCATE, "vllm_enable_sleep_mode": True},
+    "dapo_vllm": {"padding_free": True, **VLLM_COLOCATE},
     "dapo": {"padding_free": True},
     "dapo_padded": {"padding_free": False},
     "dapo_trl_generation": {"rollout_engine": "trl"},
@@ -108,8 +117,13 @@ COMPARISON_KINDS = {
 CARRYING_KINDS = ("dapo_partial", "dapo_partial_kept", "dapo_stream_carry", "dapo_fp8_partial")
 KEPT_CACHE_KINDS = ("dapo_partial_kept",)
 FP8_KINDS = ("dapo_fp8", "dapo_fp8_partial")
-VLLM_KINDS = ("trl_vllm", "trl_vllm_awake", "dapo_vllm")  # CUDA and vLLM only; each in a process of its own
-PEER_KINDS = ("trl_vllm", "trl_vllm_awake", "trl_cb")  # what TRL users run: DAPO's steps against each
+VLLM_KINDS = ("trl_vllm", "dapo_vllm")  # CUDA and vLLM only; each in a process of its own
+PEER_KINDS = ("trl_vllm", "trl_cb")  # what TRL users run: DAPO's steps against each
+# DAPO's step against each of TRL's; DAPOTrainer on TRL's vLLM path against GRPOTrainer on it (the same completions)
+PEER_PAIRS = (
+    *((ours, peer) for ours in ("dapo", "dapo_partial_kept") for peer in PEER_KINDS),
+    ("dapo_vllm", "trl_vllm"),
+)
 # against `dapo`, same batch
 RATIO_KINDS = ("dapo_partial", "dapo_partial_kept", "dapo_stream_carry", *FP8_KINDS, "dapo_vllm")
 
@@ -158,6 +172,9 @@ def step_comparison(
             settings = {**(dapo_settings or {}), **settings}
         if kind in VLLM_KINDS:
             settings["vllm_gpu_memory_utilization"] = setup["vllm_memory"]
+            settings["vllm_enable_sleep_mode"] = setup["vllm_sleep"] == "on"  # the isolated parent chose on or off
+        if kind in TRL_KINDS and setup["liger"]:
+            settings["use_liger_kernel"] = True
         if kind == "trl_cb" and setup["device"] == "cpu":
             settings["transformers_continuous_batching_config"] = CPU_CB_CONFIG
         if kind in CARRYING_KINDS:
@@ -174,11 +191,42 @@ def step_comparison(
 
 
 def comparison_model(config, setup: dict):
-    """The comparison's model: random init on the device, or where a kind loads its model from a folder (vLLM) the
-    weights saved in `setup["checkpoint"]` for every kind."""
+    """The comparison's model, with the attention `--attention` chose: random init on the device, or where a kind
+    loads its model from a folder (vLLM) the weights saved in `setup["checkpoint"]` for every kind."""
     if setup.get("checkpoint") is None:
-        return random_model(config, setup["device"], setup["dtype"])
-    return AutoModelForCausalLM.from_pretrained(setup["checkpoint"], dtype=setup["dtype"]).to(setup["device"])
+        model = random_model(config, setup["device"], setup["dtype"])
+    else:
+        model = AutoModelForCausalLM.from_pretrained(setup["checkpoint"], dtype=setup["dtype"]).to(setup["device"])
+    model.set_attn_implementation(setup["attention"])
+    return model
+
+
+def attention_implementation(asked: str, device: str) -> str:
+    """`--attention`: "auto" is FlashAttention 2 on CUDA where its package is installed, else PyTorch's SDPA."""
+    if asked != "auto":
+        return asked
+    return "flash_attention_2" if device == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
+def fair_counts(args, variable: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """Warm-up and measured steps per kind. `--fair`: the same for every kind, at least 1 warm-up step (compilation,
+    caches, the allocator's first growth out of the measured steps) and 2 measured ones, one micro-batch for every kind
+    and lengths pinned, else a clear error before anything runs."""
+    if args.fair:
+        per_kind_values = [value for value in (args.warmup or []) + (args.steps or []) if "=" in value]
+        problems = [
+            (per_kind_values, f"every kind gets the same warm-up and measured steps: drop {per_kind_values}"),
+            (args.pin_lengths is False, "lengths are pinned (every row --new-tokens): drop --no-pin-lengths"),
+            (len(args.micro_batches or []) > 1, "one micro-batch for every kind: give --micro-batches one size"),
+        ]
+        wrong = [text for failed, text in problems if failed]
+        if wrong:
+            raise SystemExit("--fair: " + "; ".join(wrong) + ".")
+    warmup = per_kind(args.warmup or [], default=1)
+    steps = per_kind(args.steps or [], default=2 if args.fair else 1 if variable else 3)
+    if args.fair and (min(warmup.values()) < 1 or min(steps.values()) < 2):
+        raise SystemExit("--fair: at least 1 warm-up step (--warmup) and 2 measured steps (--steps) for every kind.")
+    return warmup, steps
 
 
 def measured(out: dict) -> set[str]:
@@ -190,12 +238,14 @@ def add_ratios(out: dict) -> None:
     """Each pair's ratios, where both were measured: DAPO against TRL, and against each of TRL's other generation
     paths; DAPO's loss against TRL's on the same generation; padding-free against padded; variants against `dapo`."""
     done = measured(out)
-    keys = ("step_s", "generation_s", "train_s", "train_median_s", "generation_tokens_per_s")
+    keys = ("step_s", "step_us_per_token", "generation_s", "train_s", "train_median_s", "generation_tokens_per_s")
     if {"trl", "dapo"} <= done:
-        out["ratio"] = {key: out["dapo"][key] / out["trl"][key] for key in keys if out["trl"][key]}
+        out["ratio"] = {key: out["dapo"][key] / out["trl"][key] for key in keys if out["trl"].get(key)}
         out["dapo_logprob_gap_max"] = out["dapo"]["logprob_gap_max"]
-    for ours, peer in [(o, p) for o in ("dapo", "dapo_partial_kept") for p in PEER_KINDS if {o, p} <= done]:
-        out[f"ratio_{ours}_over_{peer}"] = {key: out[ours][key] / out[peer][key] for key in keys if out[peer][key]}
+    for ours, peer in [(ours, peer) for ours, peer in PEER_PAIRS if {ours, peer} <= done]:
+        out[f"ratio_{ours}_over_{peer}"] = {
+            key: out[ours][key] / out[peer][key] for key in keys if out[ours].get(key) and out[peer].get(key)
+        }
     if {"trl", "dapo_trl_generation"} <= done:  # DAPO's loss and bookkeeping against TRL's, same generation
         same = out["dapo_trl_generation"]
         out["ratio_same_generation"] = {key: same[key] / out["trl"][key] for key in ("train_s", "train_median_s")}
@@ -303,47 +353,57 @@ def outcome_text(record: dict, ladder_only: bool = False) -> str:
     return text + (f": {record['error'][:160]}" if record.get("error") else "") + out_of_memory
 
 
+def settings_text(r: dict) -> str:
+    """A measured kind's settings that may differ between kinds: micro-batch (and the ones it ran out of memory at),
+    warm-up steps, attention, Liger, vLLM asleep between rollouts."""
+    parts = [f"micro-batch {r['micro_batch']}{outcome_text(r, ladder_only=True)}"] if "micro_batch" in r else []
+    parts += [f"warm-up {r['warmup_steps']}"] if "warmup_steps" in r else []
+    parts += [r["attention"]] if r.get("attention") else []
+    parts += ["Liger"] if r.get("liger") else []
+    parts += [{True: "vLLM asleep", False: "vLLM awake"}[r["vllm_sleep"]]] if r.get("vllm_sleep") is not None else []
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def table(results: dict) -> str:
     lines = [
-        "| model | trainer | step s | generation s | logprob pass s | train s | completion tok/step | gen tok/s | "
-        "trained real / forward tok/step | train real tok/s | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | trainer | step s | step us / gen tok | generation s | logprob pass s | train s | "
+        "completion tok/step | gen tok/s | trained real / forward tok/step | train real tok/s | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    nan = float("nan")
     for name, comparison in results["models"].items():
         done = measured(comparison)
         for kind in [kind for kind in COMPARISON_KINDS if kind in comparison]:
             r = comparison[kind]
             if kind not in done:
-                lines.append(f"| {name} | {kind} | {outcome_text(r)} | | | | | | | | |")
+                lines.append(f"| {name} | {kind} | {outcome_text(r)} | | | | | | | | | |")
                 continue
             memory = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
-            micro = (
-                f" (micro-batch {r['micro_batch']}{outcome_text(r, ladder_only=True)})" if "micro_batch" in r else ""
-            )
             lines.append(
-                f"| {name} | {kind}{micro} | {r['step_s']:.3f} | {r['generation_s']:.3f} | {r['logprob_pass_s']:.3f} | "
-                f"{r['train_s']:.3f} | {r['completion_tokens_per_step']:.0f} | {r['generation_tokens_per_s']:.0f} | "
+                f"| {name} | {kind}{settings_text(r)} | {r['step_s']:.3f} | {r.get('step_us_per_token', nan):.1f} | "
+                f"{r['generation_s']:.3f} | {r['logprob_pass_s']:.3f} | {r['train_s']:.3f} | "
+                f"{r['completion_tokens_per_step']:.0f} | {r['generation_tokens_per_s']:.0f} | "
                 f"{r['trained_real_tokens_per_step']:.0f} / {r['trained_forward_tokens_per_step']:.0f} | "
                 f"{r['training_real_tokens_per_s']:.0f} | {memory} |"
             )
         ratio = comparison.get("ratio")
         if ratio:
             lines.append(
-                f"| {name} | DAPO/TRL | {ratio.get('step_s', float('nan')):.3f} | {ratio.get('generation_s', float('nan')):.3f} "
-                f"| | {ratio.get('train_s', float('nan')):.3f} | | {ratio.get('generation_tokens_per_s', float('nan')):.1f}x "
-                "| | | |"
+                f"| {name} | DAPO/TRL | {ratio.get('step_s', nan):.3f} | {ratio.get('step_us_per_token', nan):.3f} | "
+                f"{ratio.get('generation_s', nan):.3f} | | {ratio.get('train_s', nan):.3f} | | "
+                f"{ratio.get('generation_tokens_per_s', nan):.1f}x | | | |"
             )
         ratio = comparison.get("ratio_padding_free")
         if ratio:
             lines.append(
-                f"| {name} | padding-free/padded | {ratio['step_s']:.3f} | | | {ratio['train_s']:.3f} | | | | | "
-                f"{ratio.get('peak_memory_gib', float('nan')):.3f} |"
+                f"| {name} | padding-free/padded | {ratio['step_s']:.3f} | | | | {ratio['train_s']:.3f} | | | | | "
+                f"{ratio.get('peak_memory_gib', nan):.3f} |"
             )
         for key in [key for key in comparison if key.startswith("ratio_") and "_over_" in key]:
             ratio, pair = comparison[key], key.removeprefix("ratio_").replace("_over_", "/")
             lines.append(
-                f"| {name} | {pair} | {ratio['step_s']:.3f} | {ratio.get('generation_s', float('nan')):.3f} | | "
-                f"{ratio['train_s']:.3f} | | | | | |"
+                f"| {name} | {pair} | {ratio['step_s']:.3f} | {ratio.get('step_us_per_token', nan):.3f} | "
+                f"{ratio.get('generation_s', nan):.3f} | | {ratio['train_s']:.3f} | | | | | |"
             )
     for name, comparison in results["models"].items():
         for kind in [kind for kind in COMPARISON_KINDS if kind in measured(comparison)]:
@@ -385,7 +445,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--steps", nargs="*", default=None,
         help="measured steps after the warm-up: N for every trainer and/or KIND=N (e.g. 3 trl=1); default 3 (1 with "
-        "--variable-lengths)",
+        "--variable-lengths, 2 with --fair)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pin-lengths", action=argparse.BooleanOptionalAction, default=None,
+        help="every row exactly --new-tokens tokens on every kind's generation path, so all kinds sample the same "
+        "tokens (default: on, off with --variable-lengths, on with --fair)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fair", action="store_true",
+        help="equal work and settings for every kind: lengths pinned, the same warm-up (default 1) and measured steps "
+        "(default 2, at least 2) for every kind, one micro-batch; refuses per-kind step counts",
     )  # fmt: skip
     parser.add_argument("--warmup", nargs="*", default=None, help="warm-up steps, as --steps; default 1")
     parser.add_argument("--lora", type=int, default=0, help="comparison: a LoRA adapter of this rank (all linear)")
@@ -438,6 +508,20 @@ def parse_args() -> argparse.Namespace:
         help="the vLLM kinds: vllm_gpu_memory_utilization, vLLM's share of the device (default TRL's, 0.3)",
     )  # fmt: skip
     parser.add_argument(
+        "--vllm-sleep", choices=["auto", "on", "off"], default="auto",
+        help="the vLLM kinds: vllm_enable_sleep_mode; auto: awake, asleep where the awake run runs out of memory (at "
+        "the same micro-batch, before a smaller one)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--liger", action="store_true",
+        help="TRL's kinds with use_liger_kernel=True (the liger_kernel package must be installed: refused otherwise)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--attention", default="auto",
+        help="every kind's model's attn_implementation (default auto: flash_attention_2 on CUDA where flash_attn is "
+        "installed, else sdpa); each kind records the one it ran",
+    )  # fmt: skip
+    parser.add_argument(
         "--checkpoints", default=None,
         help="a folder of saved models (one per config, saved there when missing): every kind loads its model from "
         "it (default when a vLLM kind runs, which loads by path: a temporary folder; otherwise random init)",
@@ -464,8 +548,13 @@ def main() -> None:
     sections = args.sections or (["comparison"] if variable else ["comparison", "variants"])
     args.new_tokens = args.new_tokens or (4096 if variable else 256)
     checkpointing = variable if args.gradient_checkpointing is None else args.gradient_checkpointing
-    warmup = per_kind(args.warmup or [], default=1)
-    steps = per_kind(args.steps or [], default=1 if variable else 3)
+    warmup, steps = fair_counts(args, variable)
+    pin = args.pin_lengths if args.pin_lengths is not None else args.fair or not variable
+    if args.liger and importlib.util.find_spec("liger_kernel") is None:
+        raise SystemExit(
+            "--liger: the liger_kernel package is not installed (pip install liger-kernel); without --liger TRL's "
+            "kinds run without it, and each kind's record says so."
+        )
 
     default_kinds = ["trl", "dapo", "dapo_padded", "dapo_trl_generation"]
     kinds = args.kinds or (["dapo", "dapo_padded", "trl"] if variable else default_kinds)
@@ -479,8 +568,11 @@ def main() -> None:
     if args.checkpoints is None and set(kinds) & set(VLLM_KINDS):
         args.checkpoints = str(Path(tempfile.gettempdir()) / "trl-dapo-checkpoints")  # vLLM loads a folder
     isolate = (args.isolate or bool(set(kinds) & set(VLLM_KINDS))) and not args.child
-    setup = batch_setup(args, device, pin_lengths=not variable, gradient_checkpointing=checkpointing)
-    setup["vllm_memory"] = args.vllm_memory
+    setup = batch_setup(args, device, pin_lengths=pin, gradient_checkpointing=checkpointing)
+    setup.update(
+        vllm_memory=args.vllm_memory, vllm_sleep=args.vllm_sleep, liger=args.liger, fair=args.fair,
+        attention=attention_implementation(args.attention, device),
+    )  # fmt: skip
     dapo_settings = {"rollout_max_rows": args.max_rows or setup["rows_per_step"]}
     carry_settings = {"partial_rollout_max_in_flight": args.max_in_flight, "partial_rollout_max_age": args.max_age}
     if args.carry_max_rows:
@@ -511,7 +603,9 @@ def main() -> None:
                 save_checkpoint(name, Path(setup["checkpoint"]), device, args.timeout)
             comparison = results["models"].setdefault(name, {})
             if isolate:
-                isolated_comparison(name, kinds, args, setup["rows_per_step"], comparison, save, output.path)
+                isolated_comparison(
+                    name, kinds, args, setup["rows_per_step"], comparison, save, output.path, VLLM_KINDS
+                )
                 add_ratios(comparison)
                 save()
                 continue

@@ -2,8 +2,9 @@
 down inside its process, and a trainer that ran out of memory leaves its allocator behind. The parent runs
 `bench_step` again for each kind, with its own arguments and that kind and model alone, and merges the child's result
 into its own. A kind that runs out of memory runs again at the next micro-batch of `--micro-batches` (gradient
-accumulation raised so the batch stays the same), and every attempt is recorded: where TRL runs out of memory, at
-which micro-batch, and the micro-batch it runs at. The parent itself never touches the device."""
+accumulation raised so the batch stays the same); a vLLM kind under `--vllm-sleep auto` first runs again at the same
+micro-batch with vLLM asleep between rollouts. Every attempt is recorded: where TRL runs out of memory, at which
+micro-batch and vLLM setting, and the ones it runs at. The parent itself never touches the device."""
 
 from __future__ import annotations
 
@@ -28,17 +29,27 @@ def micro_batch_ladder(rows_per_step: int, ga: int, asked: list[int] | None) -> 
     return ladder
 
 
-def climb(attempt: Callable[[int], Outcome], ladder: list[int], timeout: float) -> dict:
-    """`attempt(micro_batch)` down `ladder` until one does not run out of memory. The record: that attempt's result
-    (measured) or outcome, its micro-batch, and every attempt's outcome."""
-    rungs = []
-    for micro_batch in ladder:
-        outcome = attempt(micro_batch)
-        rungs.append({"micro_batch": micro_batch, "status": outcome.status, "seconds": outcome.seconds})
+def rungs(ladder: list[int], vllm_sleep: str | None) -> list[dict]:
+    """The settings to try in order: each micro-batch of `ladder`, for a vLLM kind (`vllm_sleep` not None) with vLLM
+    awake or asleep as `--vllm-sleep` says; "auto": awake first, then asleep at the same micro-batch (sleep mode
+    frees vLLM's memory for the training passes at a cost per rollout, so it is used only where memory needs it)."""
+    if vllm_sleep is None:
+        return [{"micro_batch": size} for size in ladder]
+    sleeps = {"auto": [False, True], "on": [True], "off": [False]}[vllm_sleep]
+    return [{"micro_batch": size, "vllm_sleep": sleep} for size in ladder for sleep in sleeps]
+
+
+def climb(attempt: Callable[[dict], Outcome], ladder: list[dict], timeout: float) -> dict:
+    """`attempt(rung)` down `ladder` (`rungs`) until one does not run out of memory. The record: that attempt's result
+    (measured) or outcome, its settings, and every attempt's outcome."""
+    tried = []
+    for rung in ladder:
+        outcome = attempt(rung)
+        tried.append({**rung, "status": outcome.status, "seconds": outcome.seconds})
         if outcome.status != OUT_OF_MEMORY:
             break
     record = outcome.result if outcome.status == OK else outcome.record(timeout)
-    return {**record, "micro_batch": micro_batch, "ladder": rungs}
+    return {**record, **rung, "ladder": tried}
 
 
 def save_checkpoint(name: str, folder: Path, device: str, timeout: float) -> None:
@@ -59,21 +70,27 @@ def save_checkpoint(name: str, folder: Path, device: str, timeout: float) -> Non
     partial.rename(folder)
 
 
-def isolated_comparison(name: str, kinds: list[str], args, rows_per_step: int, out: dict, save, output: Path) -> None:
-    """Each kind of `kinds` for model `name` in a child `bench_step`, down the micro-batch ladder; `out` gets each
-    kind's record (kinds `--skip-done` finds in `out` are left as they are) and is saved after each."""
+def isolated_comparison(
+    name: str, kinds: list[str], args, rows_per_step: int, out: dict, save, output: Path, vllm_kinds: tuple[str, ...]
+) -> None:
+    """Each kind of `kinds` for model `name` in a child `bench_step`, down the ladder of micro-batches (and, for
+    `vllm_kinds`, vLLM awake or asleep); `out` gets each kind's record (kinds `--skip-done` finds in `out` are left as
+    they are) and is saved after each."""
     ladder = micro_batch_ladder(rows_per_step, args.ga, args.micro_batches)
     for kind in kinds:
         if args.skip_done and already_done(out.get(kind), args.timeout):
             continue
 
-        def attempt(micro_batch: int, kind: str = kind) -> Outcome:
+        def attempt(rung: dict, kind: str = kind) -> Outcome:
+            micro_batch = rung["micro_batch"]
             child = output.parent / f".{output.stem}.{name}.{kind}.mb{micro_batch}.json"
             command = [
                 sys.executable, "-m", "benchmarks.bench_step", *sys.argv[1:], "--child", "--models", name,
                 "--kinds", kind, "--sections", "comparison", "--ga", str(rows_per_step // micro_batch),
                 "--output", str(child),
             ]  # fmt: skip
+            if "vllm_sleep" in rung:
+                command += ["--vllm-sleep", "on" if rung["vllm_sleep"] else "off"]
             if args.checkpoints:
                 command += ["--checkpoints", args.checkpoints]
             outcome = run_isolated(command, child, args.timeout)
@@ -82,7 +99,7 @@ def isolated_comparison(name: str, kinds: list[str], args, rows_per_step: int, o
             child.unlink(missing_ok=True)
             return outcome
 
-        out[kind] = climb(attempt, ladder, args.timeout)
+        out[kind] = climb(attempt, rungs(ladder, args.vllm_sleep if kind in vllm_kinds else None), args.timeout)
         save()
 
 

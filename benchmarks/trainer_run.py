@@ -98,6 +98,7 @@ def run_trainer(
     else:
         dapo = dict(dynamic_sampling=False, overlong_buffer_len=0)
         trainer_class, config = DAPOTrainer, DAPOConfig(**{**common, **dapo, **extra})
+    attention = model.config._attn_implementation  # the model's own (DAPO's packed passes wrap it while they run)
     timer = StepTimer()
     callbacks = [timer] if profile is None else [timer, StepProfiler(measured.stop, profile)]
     trainer = trainer_class(
@@ -142,6 +143,13 @@ def run_trainer(
     result = {
         "step_s": step,
         "step_times_s": step_times,
+        # what the comparison must hold equal between kinds, or says where it does not
+        "warmup_steps": warmup,
+        "micro_batch": config.per_device_train_batch_size,
+        "attention": attention,
+        "liger": bool(config.use_liger_kernel),
+        "vllm_sleep": config.vllm_enable_sleep_mode if config.use_vllm else None,
+        "vllm_importance_sampling_correction": config.vllm_importance_sampling_correction if config.use_vllm else None,
         "generation_s": generation,
         "logprob_pass_s": logprob_pass,
         # the rest is taken from the mean step, as the sections are: per-step medians would not add up
@@ -171,6 +179,7 @@ def run_trainer(
     # step generates tokens of rows it trains later, and trains rows begun earlier), else the completions'
     generated_tokens = result["engine"]["generated_tokens_per_step"] if result["engine"] else completion_tokens
     result["generation_tokens_per_s"] = generated_tokens / (generation or float("nan"))
+    result["step_us_per_token"] = 1e6 * step / generated_tokens if generated_tokens else None
     result["training_tokens_per_s"] = completion_tokens / result["train_s"]
     result["training_real_tokens_per_s"] = real_tokens / result["train_s"]
     del trainer

@@ -26,7 +26,7 @@ from benchmarks.peer_engines import (
     vllm_logprobs,
     vllm_sampling_kwargs,
 )
-from benchmarks.step_isolation import climb, micro_batch_ladder
+from benchmarks.step_isolation import climb, micro_batch_ladder, rungs
 from benchmarks.workload import geometric_lengths
 
 ROOT = Path(__file__).parent.parent
@@ -137,20 +137,39 @@ def test_the_ladder_goes_down_until_a_micro_batch_fits_and_records_each_attempt(
     ends = {32: OUT_OF_MEMORY, 16: OUT_OF_MEMORY, 8: OK, 4: OK}
     tried = []
 
-    def attempt(micro_batch: int) -> Outcome:
-        tried.append(micro_batch)
-        result = {"step_s": 2.0} if ends[micro_batch] == OK else None
-        return Outcome(ends[micro_batch], seconds=micro_batch, result=result)
+    def attempt(rung: dict) -> Outcome:
+        tried.append(rung["micro_batch"])
+        result = {"step_s": 2.0} if ends[rung["micro_batch"]] == OK else None
+        return Outcome(ends[rung["micro_batch"]], seconds=rung["micro_batch"], result=result)
 
-    record = climb(attempt, [32, 16, 8, 4], timeout=60)
+    record = climb(attempt, rungs([32, 16, 8, 4], vllm_sleep=None), timeout=60)
     assert tried == [32, 16, 8]
     assert (record["step_s"], record["micro_batch"]) == (2.0, 8)
     assert [(rung["micro_batch"], rung["status"]) for rung in record["ladder"]] == [
         (32, OUT_OF_MEMORY), (16, OUT_OF_MEMORY), (8, OK),
     ]  # fmt: skip
     ends[8] = ends[4] = OUT_OF_MEMORY  # out of memory all the way down: the record is the last attempt's outcome
-    record = climb(attempt, [32, 16, 8, 4], timeout=60)
+    record = climb(attempt, rungs([32, 16, 8, 4], vllm_sleep=None), timeout=60)
     assert (record["status"], record["micro_batch"], len(record["ladder"])) == (OUT_OF_MEMORY, 4, 4)
+
+
+def test_a_vllm_kind_sleeps_only_where_the_awake_run_runs_out_of_memory():
+    """`--vllm-sleep auto`: at each micro-batch vLLM awake first, then asleep between rollouts, before a smaller
+    micro-batch; here the awake run does not fit at 16, the sleeping one does: the kind is measured asleep at 16."""
+    assert rungs([16, 8], "auto") == [
+        {"micro_batch": 16, "vllm_sleep": False}, {"micro_batch": 16, "vllm_sleep": True},
+        {"micro_batch": 8, "vllm_sleep": False}, {"micro_batch": 8, "vllm_sleep": True},
+    ]  # fmt: skip
+    assert rungs([16], "on") == [{"micro_batch": 16, "vllm_sleep": True}]
+    assert rungs([16], "off") == [{"micro_batch": 16, "vllm_sleep": False}]
+
+    def attempt(rung: dict) -> Outcome:
+        fits = rung["vllm_sleep"]
+        return Outcome(OK if fits else OUT_OF_MEMORY, 1.0, result={"step_s": 3.0} if fits else None)
+
+    record = climb(attempt, rungs([16, 8], "auto"), timeout=60)
+    assert (record["micro_batch"], record["vllm_sleep"], record["step_s"]) == (16, True, 3.0)
+    assert [(rung["vllm_sleep"], rung["status"]) for rung in record["ladder"]] == [(False, OUT_OF_MEMORY), (True, OK)]
 
 
 def test_the_ladder_takes_micro_batches_that_divide_the_batch():
@@ -288,23 +307,56 @@ def test_bench_step_isolates_a_kind_and_a_rerun_keeps_it(tmp_path):
     assert run["micro_batch"] == 8 and [rung["status"] for rung in run["ladder"]] == [OK]
     assert 8 <= run["completion_tokens_per_step"] <= 8 * 12  # 8 rows, nothing pinned: up to 12 tokens each
     assert run["generation_s"] > 0 and run["rollout_engine"] is None  # TRL generated, not trl-dapo's engine
-    assert "| tiny | trl_cb (micro-batch 8) |" in done.stdout and "train_runtime" in done.stdout
+    assert "| tiny | trl_cb (micro-batch 8, warm-up 0, sdpa) |" in done.stdout and "train_runtime" in done.stdout
     again = subprocess.run([*command, "--skip-done"], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert again.returncode == 0 and "train_runtime" not in again.stdout
     assert json.loads(output.read_text())["models"]["tiny"]["trl_cb"] == run
 
 
 def test_dapo_steps_are_set_against_each_trl_peer_that_was_measured():
+    """DAPO's step over each TRL peer measured (`trl_cb` timed out: none), per generated token too (`dapo` generated
+    250,000 tokens a step, `trl_vllm` and `dapo_vllm` the same 320,000), and `dapo_vllm` over `trl_vllm`: the same
+    completions, so the step's ratio is the training side's alone plus vLLM's run-to-run spread."""
     from benchmarks.bench_step import add_ratios
 
-    def run(step: float, generation: float) -> dict:
+    def run(step: float, generation: float, tokens: int) -> dict:
         return {"step_s": step, "generation_s": generation, "train_s": step - generation, "train_median_s": 1.0,
-                "generation_tokens_per_s": 1000 / generation}  # fmt: skip
+                "generation_tokens_per_s": tokens / generation, "step_us_per_token": 1e6 * step / tokens}  # fmt: skip
 
-    out = {"dapo": run(30.0, 20.0), "trl_vllm": run(40.0, 25.0), "trl_cb": {"status": TIMEOUT, "timeout_s": 540},
-           "dapo_partial_kept": run(18.0, 8.0)}  # fmt: skip
+    out = {"dapo": run(30.0, 20.0, 250_000), "trl_vllm": run(40.0, 25.0, 320_000), "dapo_vllm": run(32.0, 25.0, 320_000),
+           "trl_cb": {"status": TIMEOUT, "timeout_s": 540}, "dapo_partial_kept": run(18.0, 8.0, 250_000)}  # fmt: skip
     add_ratios(out)
     assert out["ratio_dapo_over_trl_vllm"]["step_s"] == 0.75 and out["ratio_dapo_over_trl_vllm"]["train_s"] == 10 / 15
+    assert out["ratio_dapo_over_trl_vllm"]["step_us_per_token"] == pytest.approx((30 / 250_000) / (40 / 320_000))
     assert out["ratio_dapo_partial_kept_over_trl_vllm"]["generation_s"] == 8 / 25
+    assert (
+        out["ratio_dapo_vllm_over_trl_vllm"]["step_s"] == 32 / 40
+        and out["ratio_dapo_vllm_over_trl_vllm"]["train_s"] == 7 / 15
+    )
+    assert "ratio_dapo_vllm_over_trl_cb" not in out  # dapo_vllm is set against GRPOTrainer on the same vLLM alone
     assert out["ratio_dapo_partial_kept"]["step_s"] == 18 / 30  # against plain DAPO
     assert not [key for key in out if key.startswith("ratio_") and key.endswith("trl_cb")]  # timed out: no ratio
+
+
+def test_fair_step_settings_are_refused_where_kinds_would_differ():
+    """`--fair`: per-kind step counts, unpinned lengths, a ladder of micro-batches or fewer than 1 warm-up and 2
+    measured steps are refused before anything runs; without them every kind gets 1 warm-up and 2 measured steps."""
+    from benchmarks.bench_step import fair_counts
+
+    def args(**given) -> argparse.Namespace:
+        return argparse.Namespace(**{"fair": True, "warmup": None, "steps": None, "pin_lengths": None,
+                                     "micro_batches": [16], **given})  # fmt: skip
+
+    warmup, steps = fair_counts(args(), variable=True)
+    assert set(warmup.values()) == {1} and set(steps.values()) == {2}
+    for given, says in [
+        ({"warmup": ["1", "trl_vllm=0"]}, r"drop \['trl_vllm=0'\]"),
+        ({"pin_lengths": False}, "drop --no-pin-lengths"),
+        ({"micro_batches": [32, 16]}, "give --micro-batches one size"),
+        ({"steps": ["1"]}, "2 measured steps"),
+        ({"warmup": ["0"]}, "at least 1 warm-up step"),
+    ]:
+        with pytest.raises(SystemExit, match=says):
+            fair_counts(args(**given), variable=True)
+    warmup, steps = fair_counts(args(fair=False, warmup=["1", "trl=0"]), variable=True)  # not fair: as asked
+    assert (warmup["trl"], warmup["dapo"], steps["dapo"]) == (0, 1, 1)

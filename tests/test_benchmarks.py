@@ -82,6 +82,40 @@ def test_bench_step_variable_lengths_counts_generated_tokens(tmp_path):
         )
 
 
+def test_bench_step_fair_gives_every_kind_the_same_work_micro_batch_and_steps(tmp_path):
+    """`--fair` on the CPU: GRPOTrainer with `generate` and with continuous batching beside DAPOTrainer, every kind one
+    warm-up step and two measured steps at micro-batch 4 (8 rows, GA 2), every row pinned to 8 tokens on each kind's
+    generation path (so each samples the same 64 tokens a step), SDPA attention recorded (the CPU has no FlashAttention),
+    no Liger; the steps per generated token are the step over those 64 tokens."""
+    stdout, results = run_tiny(
+        "bench_step", tmp_path, "--variable-lengths", "--fair", "--kinds", "trl", "dapo", "trl_cb", "--prompts", "2",
+        "--generations", "4", "--ga", "2", "--new-tokens", "8",
+    )  # fmt: skip
+    assert (results["setup"]["fair"], results["setup"]["pin_lengths"], results["setup"]["attention"]) == (
+        "True", "True", "sdpa",
+    )  # fmt: skip
+    models = results["models"]["tiny"]
+    for kind in ("trl", "dapo", "trl_cb"):
+        run = models[kind]
+        assert (run["warmup_steps"], len(run["step_times_s"]), run["micro_batch"]) == (1, 2, 4), kind
+        assert run["completion_tokens_per_step"] == 8 * 8, kind
+        assert run["step_us_per_token"] == pytest.approx(1e6 * run["step_s"] / 64)
+        assert (run["attention"], run["liger"], run["vllm_sleep"]) == ("sdpa", False, None)
+    assert models["ratio_dapo_over_trl_cb"]["step_us_per_token"] == pytest.approx(
+        models["dapo"]["step_us_per_token"] / models["trl_cb"]["step_us_per_token"]
+    )
+    assert "| tiny | trl_cb (micro-batch 4, warm-up 1, sdpa) |" in stdout and "| tiny | dapo/trl_cb |" in stdout
+
+
+def test_bench_step_refuses_liger_where_it_is_not_installed(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_step", "--tiny", "--liger", "--output", str(tmp_path / "out.json")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode != 0 and "--liger: the liger_kernel package is not installed" in done.stderr
+    assert not (tmp_path / "out.json").exists()  # refused before anything ran
+
+
 def test_bench_step_counts_the_rows_stream_mode_carries_from_one_step_into_the_next(tmp_path):
     """`dapo_stream_carry` on the CPU (the paged engine, eager): 16 slots for batches of 4 groups of 2, so the stream
     keeps more groups in flight than a batch needs and stops with rows unfinished; the next step's stream resumes
