@@ -255,6 +255,10 @@ def measure_gaps(run: Run, shape: Shape) -> None:
     records = [r for e in ENGINES if (r := run.find(shape.name, e, "generate")) and r.get("status") == OK]
     records = [r for r in records if Path(r["samples"]).exists()]  # an earlier machine's samples may be gone
     todo = [r for r in records if not (run.args.skip_done and r.get("logprob_gap", {}).get("status") == OK)]
+    for record in [r for r in todo if not r["logprobs_returned"]]:  # nothing to compare: no process for it
+        record["logprob_gap"] = {"status": OK, "returned": False}
+        run.keep(record)
+    todo = [r for r in todo if r["logprobs_returned"]]
     if not todo:
         return
     spec = {**base_spec(shape, run.args), "samples": {r["engine"]: r["samples"] for r in todo},
