@@ -17,11 +17,13 @@ This module is the machine's side and imports the standard library alone; the bu
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -138,6 +140,34 @@ def join(archive: dict, parts: Path, whole: Path) -> None:
         raise SystemExit(f"{archive['name']}: the joined parts do not match the manifest's sha256")
 
 
+def data_member(member: tarfile.TarInfo, target: Path) -> tarfile.TarInfo:
+    """`member` as tarfile's "data" filter lets it through, checked the same way for a Python without that filter
+    (before 3.11.4: Debian 12's 3.11.2): it lands inside `target` (no absolute path, no `..`), a link
+    points inside it, it is a file, a folder or a link (no device, no fifo), and it keeps no setuid, setgid or sticky
+    bit and no write bit for group or others. Anything else is a `ValueError` naming the member."""
+    root = target.resolve()
+    if member.name.startswith("/") or not (root / member.name).resolve().is_relative_to(root):
+        raise ValueError(f"the archive's member {member.name!r} would land outside {target}")
+    if member.issym() or member.islnk():
+        base = root if member.islnk() else (root / member.name).parent
+        if member.linkname.startswith("/") or not (base / member.linkname).resolve().is_relative_to(root):
+            raise ValueError(f"the archive's link {member.name!r} points outside {target}: {member.linkname!r}")
+    elif not (member.isfile() or member.isdir()):
+        raise ValueError(f"the archive's member {member.name!r} is a device or a fifo, not a file or a folder")
+    checked = copy.copy(member)
+    checked.mode &= ~(stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | stat.S_IWGRP | stat.S_IWOTH)
+    return checked
+
+
+def extract_data(tar: tarfile.TarFile, target: Path) -> None:
+    """Unpack `tar` into `target` through tarfile's "data" filter, or `data_member`'s same checks where this Python's
+    tarfile has no filters (setup.cfg admits Python 3.11 and later; 3.11.0-3.11.3 lack them)."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(target, filter="data")
+    else:
+        tar.extractall(target, members=[data_member(member, target) for member in tar.getmembers()])
+
+
 def place_archives(manifest: dict, work: Path, site: Path) -> list[str]:
     """Join each archive whose parts have all arrived; unpack a `site` one into `site`. A line per archive."""
     lines, done = [], work / "done"
@@ -154,7 +184,7 @@ def place_archives(manifest: dict, work: Path, site: Path) -> list[str]:
         join(archive, work / "parts", whole)
         if archive["kind"] == "site":
             with tarfile.open(whole) as tar:
-                tar.extractall(site, filter="data")
+                extract_data(tar, site)
             whole.unlink()
         marker.touch()
         lines.append(f"{archive['name']}: {'unpacked into ' + str(site) if archive['kind'] == 'site' else whole}")

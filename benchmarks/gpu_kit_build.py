@@ -31,7 +31,8 @@ MARGIN = 2 * MIB  # for the manifest and a working tree that grows a little befo
 
 # (distribution, version, floor, why). Installed there only when missing or older than the floor (default: the
 # version itself). Versions: what pip resolves for vllm==0.26.0 + trl==1.16.0 on Python 3.12 (2026-12).
-WHEELS = [
+# What the trainers and the real-model study need: the calls carry these, then the GGUF, before anything of vLLM's.
+STUDY_WHEELS = [
     ("trl", "1.16.0", None, "TRL: GRPOTrainer and its vLLM colocate path"),
     ("datasets", "5.2.0", None, "imported by TRL"),
     ("dill", "0.4.1", None, "datasets"),
@@ -41,6 +42,8 @@ WHEELS = [
     ("antlr4-python3-runtime", "4.13.2", None, "latex2sympy2_extended"),
     ("gguf", "0.19.0", None, "transformers reads the SmolLM2 GGUF with it"),
     ("peft", "0.21.2", ">=0.17", "LoRA (trl-dapo needs peft >= 0.17)"),
+]
+VLLM_WHEELS = [
     ("pydantic", "2.14.4", None, "vLLM's configs are pydantic dataclasses"),
     ("pydantic-core", "2.50.5", "==2.50.5", "pydantic (pinned exactly by it)"),
     ("annotated-types", "0.8.0", None, "pydantic"),
@@ -74,6 +77,7 @@ WHEELS = [
     ("blake3", "1.0.11", None, "vLLM's multimodal hasher (small; declared by vLLM)"),
     ("nvtx", "0.2.15", None, "vLLM's NVTX scopes for profiling (VLLM_NVTX_SCOPES_FOR_PROFILING)"),
 ]
+WHEELS = STUDY_WHEELS + VLLM_WHEELS
 
 # Members of the vLLM wheel left out, and why (the member names match these fnmatch patterns).
 VLLM_LEFT_OUT = {
@@ -258,32 +262,41 @@ def download_vllm(cache: Path, python_version: str) -> Path:
     return next(cache.glob(f"vllm-{VLLM_VERSION}-*.whl"))
 
 
-def build(vllm_wheel: Path | None, gguf: Path | None, call_mib: float | None, python_version: str, kit: Path) -> None:
-    """Rebuild `kit/call-*` from the pinned wheels (downloads kept in `kit/cache`), the vLLM wheel and the GGUF."""
+def kit_order(wheels: list[Path], gguf: Path | None, vllm: Path | None) -> list[Path]:
+    """The kit's files in the order the calls carry them: the study's wheels and the GGUF first (the study runs
+    from the call that completes them), then vLLM's wheels and vLLM (left out without `vllm`)."""
+    study = len(STUDY_WHEELS)
+    return [*wheels[:study], *([gguf] if gguf else []), *([*wheels[study:], vllm] if vllm else [])]
+
+
+def build(vllm_wheel: Path | None, gguf: Path | None, call_mib: float | None, python_version: str, kit: Path,
+          with_vllm: bool = True) -> None:  # fmt: skip
+    """Rebuild `kit/call-*` from the pinned wheels (downloads kept in `kit/cache`), the GGUF and the vLLM wheel."""
     start = time.perf_counter()
     cache = kit / "cache"
     (cache / "wheels").mkdir(parents=True, exist_ok=True)
     for old in kit.glob("call-*"):
         shutil.rmtree(old)
     wheels = download_wheels(cache / "wheels", python_version)
-    vllm_wheel = vllm_wheel or download_vllm(cache, python_version)
-    vllm = repack_vllm(vllm_wheel, cache, python_version.replace(".", ""))
-    archives = {vllm.name: {"kind": "site", "sha256": sha256_of(vllm)}}
-    if gguf:
-        archives[gguf.name] = {"kind": "file", "sha256": sha256_of(gguf)}
-    sources = {path.name: path for path in [*wheels, vllm, *([gguf] if gguf else [])]}
-    budget = call_budget(call_mib)
-    manifest, calls = write_kit(kit, sources, archives, wheel_rows(wheels), budget, python_version)
-    print_plan(manifest, calls, vllm_wheel)
+    archives = {gguf.name: {"kind": "file", "sha256": sha256_of(gguf)}} if gguf else {}
+    vllm = None
+    if with_vllm:
+        vllm_wheel = vllm_wheel or download_vllm(cache, python_version)
+        vllm = repack_vllm(vllm_wheel, cache, python_version.replace(".", ""))
+        archives[vllm.name] = {"kind": "site", "sha256": sha256_of(vllm)}
+    sources = {path.name: path for path in kit_order(wheels, gguf, vllm)}
+    rows = {name: row for name, row in wheel_rows(wheels).items() if name in sources}
+    manifest, calls = write_kit(kit, sources, archives, rows, call_budget(call_mib), python_version)
+    print_plan(manifest, calls, vllm_wheel if with_vllm else None)
     print(f"built in {time.perf_counter() - start:.0f} s")
 
 
-def print_plan(manifest: dict, calls: int, vllm_wheel: Path) -> None:
+def print_plan(manifest: dict, calls: int, vllm_wheel: Path | None) -> None:
     """Which folder each call carries, its size and contents, and from which call each piece is usable."""
     wheel_bytes = sum(wheel["size"] for wheel in manifest["wheels"])
     print(f"kit: {len(manifest['wheels'])} wheels ({wheel_bytes / MIB:.1f} MiB), "
           + ", ".join(f"{a['name']} ({a['size'] / MIB:.1f} MiB)" for a in manifest["archives"])
-          + f"; the vLLM wheel was {vllm_wheel.stat().st_size / MIB:.1f} MiB")  # fmt: skip
+          + (f"; the vLLM wheel was {vllm_wheel.stat().st_size / MIB:.1f} MiB" if vllm_wheel else "; no vLLM"))  # fmt: skip
     for number in range(1, calls + 1):
         call = f"call-{number}"
         folder = Path(".kit") / call
@@ -305,8 +318,10 @@ def main() -> None:
     parser.add_argument("--call-mib", type=float, default=None, help="bytes of kit per call (default: 64 MiB less "
                         "the working tree that travels, less 2 MiB)")  # fmt: skip
     parser.add_argument("--python-version", default="3.12", help="the machine's Python, for the binary wheels")
+    parser.add_argument("--without-vllm", action="store_true", help="the trainers' wheels and the GGUF alone (the "
+                        "real-model study without its vLLM arm): two calls instead of four")  # fmt: skip
     args = parser.parse_args()
-    build(args.vllm_wheel, args.gguf, args.call_mib, args.python_version, KIT)
+    build(args.vllm_wheel, args.gguf, args.call_mib, args.python_version, KIT, with_vllm=not args.without_vllm)
 
 
 if __name__ == "__main__":

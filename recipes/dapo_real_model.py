@@ -10,11 +10,14 @@ act, on one GPU, resumable over several calls:
 2. The grid (`real_model/grid.py`): the base model per task family x prompt style x length cap; the regime's
    candidates by the issue's rule.
 3. The pilot (`real_model/pilot.py`): GRPO's settings on the first candidates at each pilot learning rate; the pick
-   (task, cap, learning rate, step count, early step) by a rule fixed before any arm runs, in OUTPUT/pick.json.
-4. The arms (`real_model/arms.py`, `real_model/schedule.py`): DAPO and GRPO's settings seed by seed, then partial
-   rollouts, the ablations and TRL's wall-clock arms, `slots` processes sharing the device.
-5. The report (`real_model/report.py`, `tables.py`, `plots.py`): the tables, OUTPUT/study.png, OUTPUT/mechanisms.png
-   and OUTPUT/study.json (everything but the model: the file to keep).
+   of two cells (task, cap, learning rate, step count, early step each) by a rule fixed before any arm runs, in
+   OUTPUT/pick.json.
+4. The arms (`real_model/arms.py`, `real_model/schedule.py`): DAPO, GRPO's settings and TRL's GRPOTrainer seed by
+   seed on each cell, then TRL with vLLM colocated, the ablations, partial rollouts and TRL's continuous batching,
+   `slots` processes sharing the device alike.
+5. The report (`real_model/report.py`, `tables.py`, `plots.py`): the tables per cell, OUTPUT/study.png and
+   OUTPUT/mechanisms.png (the second cell's with `-second`) and OUTPUT/study.json (everything but the model: the
+   file to keep).
 
 Rerunning the same command on the same OUTPUT keeps the model copy, the grid, the pilot, the pick and every finished
 run, and starts only the runs whose estimated time fits the call's budget. `docs/real-model.md` explains the method.
@@ -34,12 +37,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ablation.store import read_json, write_json
 from dapo_ablation import environment
 from real_model.bundle import bundle, unpack
-from real_model.config import STUDY, RealModelConfig, smoke
+from real_model.config import CELLS, STUDY, RealModelConfig, smoke
 from real_model.grid import candidates, measure_grid
-from real_model.pilot import pick, pilot_jobs
+from real_model.pilot import pick, picked, pilot_jobs
 from real_model.plots import plot_accuracy, plot_mechanisms
 from real_model.report import summarize
-from real_model.runs import model_copy
+from real_model.runs import model_copy, run_file
 from real_model.schedule import arm_jobs, run_jobs
 from real_model.scoring import EngineScorer
 from real_model.tables import format_report
@@ -64,8 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="the pipeline on the CPU, tiny (the test suite runs it)")
     parser.add_argument("--report", action="store_true", help="only the report, from what OUTPUT holds")
     parser.add_argument("--time-budget", type=float, help="seconds this call may take; rerun for the rest")
-    parser.add_argument("--seeds", type=int, nargs="+", help="seeds of DAPO and GRPO's settings (default 0-5)")
-    parser.add_argument("--slots", type=int, help="run processes sharing the device at once (default 7)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="seeds of DAPO, GRPO's settings and TRL's GRPOTrainer "
+                        "on the first cell (default 0-11)")  # fmt: skip
+    parser.add_argument("--slots", type=int, help="run processes sharing the device at once (default 9)")
     parser.add_argument("--device", choices=("cuda", "cpu"))
     return parser.parse_args(argv)
 
@@ -142,8 +146,11 @@ def pilot_and_pick(config: RealModelConfig, output: Path, regime: dict, deadline
         return None
     chosen = pick(config, output, regime, jobs)
     write_json(output / "pick.json", chosen)
-    print(f"picked {chosen['cell']}, learning rate {chosen['learning_rate']:g}, {chosen['max_steps']} steps: "
-          f"{chosen['reason']}", flush=True)  # fmt: skip
+    for cell in CELLS:
+        if picked(chosen, cell):
+            cell_pick = picked(chosen, cell)
+            print(f"picked ({cell} cell) {cell_pick['cell']}, learning rate {cell_pick['learning_rate']:g}, "
+                  f"{cell_pick['max_steps']} steps: {cell_pick['reason']}", flush=True)  # fmt: skip
     if not chosen["learned"]:
         print("WARNING: no pilot run learned beyond the answer line; the arms may have nothing to compare.",
               file=sys.stderr)  # fmt: skip
@@ -154,17 +161,31 @@ def report(config: RealModelConfig, output: Path) -> int:
     summary = summarize(config, output)
     (output / "study.json").write_text(json.dumps(bundle(config, output, summary), indent=2))
     print(format_report(config, output, summary))
-    runs = {kind: {int(seed): read_json(output / "runs" / f"{kind}-seed{seed}.json") for seed, row in by_seed.items()
-                   if row["status"] == "ok"} for kind, by_seed in summary["runs"].items()}  # fmt: skip
     pick = read_json(output / "pick.json") or {}
-    title = f"SmolLM2-135M-Instruct, {pick.get('cell')}, cap {pick.get('cap')}: mean over seeds (thick), each run"
-    try:
-        plot_accuracy({k: v for k, v in runs.items() if v}, summary["metric"], title, output / "study.png")
-        plot_mechanisms({k: v for k, v in runs.items() if v}, title, output / "mechanisms.png")
-        print(f"wrote {output / 'study.png'}, {output / 'mechanisms.png'} and {output / 'study.json'}")
-    except ImportError as error:  # a GPU image without matplotlib: the JSON has everything, plot it afterwards
-        print(f"no plot ({error}): install matplotlib, then rerun with --report --output {output}", file=sys.stderr)
-    return 0 if summary["complete"] else 1
+    for cell, numbers in summary["cells"].items():
+        runs = {kind: {int(seed): read_json(run_file(output, kind, int(seed), cell))
+                       for seed, row in by_seed.items() if row["status"] == "ok"}
+                for kind, by_seed in numbers["runs"].items()}  # fmt: skip
+        runs = {kind: by_seed for kind, by_seed in runs.items() if by_seed}
+        chosen = picked(pick, cell) or {}
+        title = (
+            f"SmolLM2-135M-Instruct, {chosen.get('cell')}, cap {chosen.get('cap')}: mean over seeds (thick), each run"
+        )
+        suffix = "" if cell == CELLS[0] else f"-{cell}"
+        try:
+            plot_accuracy(runs, numbers["metric"], title, output / f"study{suffix}.png")
+            plot_mechanisms(runs, title, output / f"mechanisms{suffix}.png")
+            print(f"wrote {output / f'study{suffix}.png'} and {output / f'mechanisms{suffix}.png'}")
+        except ImportError as error:  # a GPU image without matplotlib: the JSON has everything, plot it afterwards
+            print(
+                f"no plot ({error}): install matplotlib, then rerun with --report --output {output}", file=sys.stderr
+            )
+            break
+    print(f"wrote {output / 'study.json'}")
+    if summary["left"]:  # a report of an unfinished study is no failure: say what it lacks
+        print(f"incomplete: {len(summary['left'])} runs have no result yet ({', '.join(summary['left'])}); a study "
+              f"call with the same --output runs them.")  # fmt: skip
+    return 0
 
 
 def report_only(output: Path) -> int:

@@ -166,7 +166,7 @@ def test_the_readme_names_the_command_of_the_study_it_reports():
     """The README reports a 10-seed study while the default runs 5: the command it prints runs as many seeds as the
     study it reports, and the default does not."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme[readme.index("## The ablation") : readme.index("## What DAPO changes")]
+    section = readme.split("\n## The ablation\n", 1)[1].split("\n## ", 1)[0]
     reported = int(re.search(r"\((\d+) seeds x 7 variants", section).group(1))
     commands = re.findall(r"`\.venv/bin/python recipes/dapo_ablation\.py([^`]*)`", section)
     seeds = [len(study_config(parse_args(command.split())).seeds) for command in commands if "--seeds" in command]

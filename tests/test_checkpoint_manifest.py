@@ -2,6 +2,7 @@
 small files), each file and folder synced before it. A folder that fails it is skipped (`resume_from_checkpoint=True`)
 or refused (a path), naming what is wrong; non-finite weights are refused on load; a full disk names the path."""
 
+import errno
 import hashlib
 import json
 import logging
@@ -10,8 +11,10 @@ import shutil
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from test_checkpoint_safety import make_trainer, steps_logged
+from transformers import modeling_utils
 
 from trl_dapo.trainer.safety import checkpoint_manifest
 from trl_dapo.trainer.safety.checkpoint_files import SAMPLING_STATE_FILE
@@ -199,24 +202,119 @@ def test_files_and_folders_are_synced_before_the_manifest_and_older_checkpoints_
     assert all(exists for kind, _, exists in ours if kind == "fsync")  # checkpoint-1 deleted after the last
 
 
-@pytest.mark.parametrize("file", ["optimizer.pt", SAMPLING_STATE_FILE])
-def test_a_full_disk_while_saving_names_the_path_and_keeps_the_last_checkpoint(
-    tiny_model, tmp_path, monkeypatch, file
-):
-    """torch.save on a full disk raised "[enforce fail at inline_container.cc:672] unexpected pos 832 vs 726". Now
-    the error says no space was left, naming DAPO's file, or the checkpoint the Trainer's file belongs to."""
+def torch_save_failing(monkeypatch, name: str, message: str) -> None:
+    """torch.save into checkpoint-2's `name` writes part of the file, then raises `message`, as on a full disk."""
     save = torch.save
 
     def full_disk(obj, path, *args, **kwargs):
-        if f"checkpoint-2{os.sep}{file}" in str(path):
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 832 vs 726")
+        if f"checkpoint-2{os.sep}{name}" in str(path):
+            with open(path, "wb") as file:
+                file.write(b"PK")
+            raise RuntimeError(message)
         return save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", full_disk)
-    named = tmp_path / "checkpoint-2" / file if file == SAMPLING_STATE_FILE else tmp_path / "checkpoint-2"
-    with pytest.raises(OSError, match=f"no space left while writing {named} \\(RuntimeError: .*unexpected pos"):
+
+
+def safetensors_failing(monkeypatch, name: str, message: str) -> None:
+    """safetensors' save of the weights raises `message` (it deletes its file), as on a full disk."""
+    save = modeling_utils.safe_save_file
+
+    def full_disk(tensors, path, *args, **kwargs):
+        if f"checkpoint-2{os.sep}" in str(path):
+            raise SafetensorError(message)
+        return save(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", full_disk)
+
+
+FULL_DISKS = {  # the file, what fails writing it (as seen on a full tmpfs), and what the error says
+    "optimizer.pt": (torch_save_failing, "[enforce fail at inline_container.cc:672] . unexpected pos 832 vs 726"),
+    "scheduler.pt": (torch_save_failing, "basic_ios::clear: iostream error"),
+    SAMPLING_STATE_FILE: (torch_save_failing, "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"),
+    "model.safetensors": (
+        safetensors_failing,
+        "Error while serializing: I/O error: No space left on device (os error 28)",
+    ),
+}
+
+
+@pytest.mark.parametrize("file", list(FULL_DISKS))
+def test_a_full_disk_while_saving_names_the_checkpoint_and_the_file_and_keeps_the_last_checkpoint(
+    tiny_model, tmp_path, monkeypatch, file
+):
+    """torch.save on a full disk raised "[enforce fail at inline_container.cc:672] unexpected pos 832 vs 726" or
+    "basic_ios::clear: iostream error", safetensors "Error while serializing: I/O error: No space left on device":
+    none named the checkpoint or the file. Now the error names both and the space left; where the message does not
+    say the disk is full (basic_ios) and the disk has room, that the write failed."""
+    failing, message = FULL_DISKS[file]
+    failing(monkeypatch, file, message)
+    with pytest.raises(OSError) as raised:
         make_trainer(tiny_model, tmp_path, save_total_limit=1).train()
     monkeypatch.undo()
+    named = "the model weights (*.safetensors)" if file == "model.safetensors" else file
+    what = f"{named} into checkpoint {tmp_path / 'checkpoint-2'}"
+    said = f"writing {what} failed" if "basic_ios" in message else f"no space left on the disk while writing {what}"
+    error = raised.value
+    assert error.errno == (errno.EIO if "basic_ios" in message else errno.ENOSPC)
+    assert error.strerror.startswith(f"{said} (")
+    kind = "SafetensorError" if file == "model.safetensors" else "RuntimeError"
+    assert f" bytes free; {kind}: {message}). " in error.strerror
+    assert error.strerror.endswith("free space (or set output_dir on a larger disk) and resume.")
     assert manifest_of(tmp_path / "checkpoint-1")  # kept, complete
     assert not (tmp_path / "checkpoint-2" / MANIFEST_FILE).exists()
     assert not list(tmp_path.rglob("*.partial"))
+
+
+def folder_bytes(folder):
+    return {path.relative_to(folder): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_a_damaged_manifest_never_costs_the_only_checkpoint(tiny_model, tmp_path):
+    """A finished run with save_total_limit=1 keeps checkpoint-2 alone; its manifest cut to 100 bytes. Resumed with
+    True it was skipped with a warning, training started from step 0 and deleted it on saving checkpoint-1. Now both
+    True and its path are refused, naming it and the ways on, and it stays as it was; a new manifest written as the
+    error says lets it resume."""
+    make_trainer(tiny_model, tmp_path, save_total_limit=1).train()
+    checkpoint = tmp_path / "checkpoint-2"
+    os.truncate(checkpoint / MANIFEST_FILE, 100)
+    saved = folder_bytes(checkpoint)
+    for requested in (True, str(checkpoint)):
+        trainer = make_trainer(tiny_model, tmp_path, save_total_limit=1, max_steps=3)
+        with pytest.raises(ValueError) as raised:
+            trainer.train(resume_from_checkpoint=requested)
+        assert str(raised.value) == (
+            f"{checkpoint}: its {MANIFEST_FILE} is damaged (100 bytes that are not a manifest), so the files its save "
+            "wrote cannot be checked: it is neither resumed nor deleted. If its files are whole (the save ended and "
+            'only the manifest was damaged), write a new manifest of them with python -c "from '
+            f"trl_dapo.trainer.safety import write_manifest; write_manifest('{checkpoint}')\" and resume; otherwise "
+            "move the folder out of output_dir, and resume_from_checkpoint=True takes the next older complete "
+            "checkpoint (none: step 0)."
+        )
+        assert trainer.state.global_step == 0
+    assert sorted(path.name for path in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert folder_bytes(checkpoint) == saved
+
+    write_manifest(checkpoint)
+    resumed = make_trainer(tiny_model, tmp_path, save_total_limit=1, max_steps=3)
+    resumed.train(resume_from_checkpoint=True)
+    assert steps_logged(resumed) == [1, 2, 3]  # step 3 trained from checkpoint-2
+
+
+def test_resume_true_does_not_start_over_a_checkpoint_that_changed_since_its_save(tiny_model, tmp_path):
+    """The only checkpoint fails its manifest (its optimizer.pt deleted): training started from step 0 and, with
+    save_total_limit=1, deleted it. Now refused, naming it and what changed; with an older complete checkpoint it is
+    skipped as before (`test_resume_true_skips_a_checkpoint_that_fails_its_manifest_naming_what_is_wrong`)."""
+    make_trainer(tiny_model, tmp_path, save_total_limit=1).train()
+    checkpoint = tmp_path / "checkpoint-2"
+    (checkpoint / "optimizer.pt").unlink()
+    trainer = make_trainer(tiny_model, tmp_path, save_total_limit=1, max_steps=3)
+    with pytest.raises(ValueError) as raised:
+        trainer.train(resume_from_checkpoint=True)
+    assert str(raised.value) == (
+        f"resume_from_checkpoint=True found no complete checkpoint in output_dir={str(tmp_path)!r}, and this one was "
+        f"saved whole (a {MANIFEST_FILE} lists its files) but changed since: {checkpoint} (optimizer.pt missing). "
+        "Starting from step 0 would delete or overwrite it. Restore the files named, or move the folder out of "
+        "output_dir to start from step 0 (its weights can start a new run: model=<the folder>)."
+    )
+    assert sorted(path.name for path in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]

@@ -2,6 +2,8 @@
 
 import dataclasses
 import re
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -442,3 +444,92 @@ def test_a_field_the_caller_set_is_checked_against_its_changed_base(tiny_model):
         ValueError, match=r"DAPOConfig.overlong_buffer_len=6 is invalid: use 0 \(off\) or a value below"
     ):
         trainer_with(tiny_model, config)
+
+
+def _numeric_fields() -> dict[str, type]:
+    """Every field of DAPOConfig typed as a number (or None), read from the dataclass, not from the rule table."""
+    hints = typing.get_type_hints(DAPOConfig)
+    found = {}
+    for field in dataclasses.fields(DAPOConfig):
+        annotation = hints[field.name]
+        members = (
+            set(typing.get_args(annotation)) if typing.get_origin(annotation) is types.UnionType else {annotation}
+        )
+        if members - {type(None)} and members - {type(None)} <= {int, float}:
+            found[field.name] = float if float in members else int
+    return found
+
+
+NUMERIC_FIELDS = _numeric_fields()
+
+
+@pytest.mark.parametrize("name", sorted(name for name, kind in NUMERIC_FIELDS.items() if kind is float))
+def test_every_number_field_of_the_config_refuses_nan_naming_it(name):
+    """The Trainer's and TRL's fields too: a NaN `save_steps` saved no checkpoint, a NaN `logging_steps` logged no
+    loss. A field DAPO does not honour names its own reason instead of the range."""
+    with pytest.raises(ValueError, match=rf"^DAPOConfig\.{name}=nan is invalid: "):
+        make(**{name: float("nan")})
+
+
+def test_the_number_fields_are_the_trainers_and_trls_too():
+    assert {"save_steps", "logging_steps", "eval_steps", "warmup_steps", "eval_delay"} <= set(NUMERIC_FIELDS)
+    assert {"save_total_limit", "label_smoothing_factor", "torch_empty_cache_steps"} <= set(NUMERIC_FIELDS)
+    assert len(NUMERIC_FIELDS) >= 70
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(save_steps=float("inf"), save_strategy="steps"), "save_steps=inf is invalid: use a finite number > 0"),
+        (dict(logging_steps=-5), "logging_steps=-5 is invalid: use a finite number > 0"),
+        (dict(eval_steps=0), "eval_steps=0 is invalid: use a finite number > 0 or None"),
+        (dict(warmup_steps=float("nan")), "warmup_steps=nan is invalid: use a finite number >= 0"),
+        (dict(label_smoothing_factor=float("inf")), "label_smoothing_factor=inf is invalid: use a finite number."),
+        (dict(save_total_limit=2.5), "save_total_limit=2.5 is a float, not an int or None."),
+        (dict(save_steps="500"), "save_steps='500' is a str, not a number: pass save_steps=500.0 ("),
+        (
+            dict(max_steps=-5),
+            "max_steps=-5 is invalid: use a positive integer or -1 (a number of optimizer steps; -1, the default, "
+            "trains num_train_epochs epochs instead, as transformers would read any value <= 0).",
+        ),
+        (dict(max_steps=0), "max_steps=0 is invalid: use a positive integer or -1"),
+        (dict(generation_kwargs={"temperature": 0}), "generation_kwargs.temperature=0 is invalid: use a finite num"),
+        (dict(generation_kwargs={"top_p": 2.0}), "generation_kwargs.top_p=2.0 is invalid: use a finite number in (0"),
+        (dict(generation_kwargs='{"top_k": -1}'), "generation_kwargs.top_k=-1 is invalid: use 0 or a positive int"),
+        (dict(generation_kwargs={"max_new_tokens": 0}), "generation_kwargs.max_new_tokens=0 is invalid: use a pos"),
+    ],
+)
+def test_step_counts_and_generation_kwargs_are_refused_naming_the_field(overrides, message):
+    with pytest.raises((TypeError, ValueError), match="^DAPOConfig." + re.escape(message)):
+        make(**overrides)
+
+
+def test_minus_one_steps_still_means_epochs():
+    assert make(max_steps=-1).max_steps == -1 and make(max_steps=3).max_steps == 3
+
+
+def test_an_error_shows_a_large_value_shortened():
+    """A value read from a file can be large: a YAML alias bomb of 9^7 numbers made a 39 MB message."""
+    bomb = [1.0]
+    for _ in range(7):
+        bomb = [bomb] * 9
+    with pytest.raises(ValueError, match=r"^DAPOConfig\.reward_weights=\[\[\[\[\.\.\.\], ") as error:
+        make(reward_weights=bomb)
+    assert len(str(error.value)) < 300
+    with pytest.raises(TypeError) as error:
+        make(learning_rate="x" * 10**6)
+    assert len(str(error.value)) < 300
+
+
+def test_an_int_sampling_setting_trains_as_a_float(tiny_model, tmp_path):
+    """transformers' sampling refuses an int temperature or repetition penalty, at the first generation, after the
+    model loaded: the config stores them as floats, in `generation_kwargs` too."""
+    config = make(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+        max_steps=1, temperature=2, repetition_penalty=2, generation_kwargs={"top_p": 1}, save_strategy="no",
+    )  # fmt: skip
+    assert (config.temperature, config.repetition_penalty, config.generation_kwargs) == (2.0, 2.0, {"top_p": 1.0})
+    assert isinstance(config.temperature, float) and isinstance(config.generation_kwargs["top_p"], float)
+    trainer = trainer_with(tiny_model, config)
+    trainer.train()
+    assert trainer.state.global_step == 1

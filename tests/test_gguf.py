@@ -2,13 +2,13 @@
 (Llama: 9 heads, 3 KV heads, head_dim 64, tied embeddings): loaded by its path or by `model_init_kwargs["gguf_file"]`
 as the same dense model with the tokenizer (and chat template) of the same file; a model loaded with transformers,
 marked as quantized, trains fully; DAPO steps train it with the paged engine, whose greedy tokens equal HF's;
-checkpoints are plain safetensors models, and resume; LoRA trains the adapter only; the README's check trains on
+checkpoints are plain safetensors models, and resume; LoRA trains the adapter only; docs/gguf.md's check trains on
 groups whose rewards differ. Missing packages are named with their install command, and the module that prints the
 shipped file's path imports no torch.
 
 The file is loaded four times for the module (about 15 s each on 2 cores): by path, by `model_init_kwargs`, through
-transformers with its mark, and by the README's command. Five DAPO steps run in all: two straight, one resumed, one
-with LoRA, and the README's."""
+transformers with its mark, and by docs/gguf.md's command. Five DAPO steps run in all: two straight, one resumed, one
+with LoRA, and docs/gguf.md's."""
 
 import copy
 import importlib.util
@@ -152,10 +152,10 @@ def test_dapo_steps_save_plain_checkpoints_and_resume(by_path, tmp_path):
         torch.testing.assert_close(tensor, trained[name], msg=name)
 
 
-def readme_gguf_check() -> list[str]:
-    """The words of the README's recipe command in section "GGUF models" (its continued lines joined)."""
-    section = (ROOT / "README.md").read_text().split("\n## GGUF models\n", 1)[1].split("\n## ", 1)[0]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+def documented_gguf_check() -> list[str]:
+    """The words of docs/gguf.md's recipe command, in its first bash block (its continued lines joined)."""
+    page = (ROOT / "docs" / "gguf.md").read_text()
+    block = page.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
     return shlex.split(next(line for line in block.splitlines() if "recipes/dapo_math.py" in line))
 
 
@@ -172,12 +172,12 @@ def tensorboard_scalars(folder: Path) -> dict[str, float]:
 
 
 @NEEDS_SMOLLM2
-def test_the_readmes_gguf_check_trains_on_groups_whose_rewards_differ(smollm2, tmp_path):
-    """The README's SmolLM2 command, as printed but for its output folder: its one DAPO step trains on groups whose
+def test_the_documented_gguf_check_trains_on_groups_whose_rewards_differ(smollm2, tmp_path):
+    """docs/gguf.md's SmolLM2 command, as printed but for its output folder: its one DAPO step trains on groups whose
     rewards differ (the overlong penalty's: some completions end, some are cut; dynamic sampling keeps such groups
     only), so the gradient is not zero. With 16-token completions, all cut, every reward was -2 and the gradient 0.
     A model load and one step: 7 minutes (4.5 CPU-minutes) on 2 cores shared with other work, 2026-12-07."""
-    words = readme_gguf_check()
+    words = documented_gguf_check()
     assert words[0] == ".venv/bin/python" and SHIPPED_PATH in words
     command = [sys.executable, *(str(smollm2) if word == SHIPPED_PATH else word for word in words[1:])]
     command[command.index("--output_dir") + 1] = str(tmp_path)

@@ -12,8 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_kit import install, installed_versions, release, satisfies, wheels_to_install
-from benchmarks.gpu_kit_build import WHEELS, Piece, left_out, plan_calls, repack_vllm, write_kit
+from benchmarks.gpu_kit import extract_data, install, installed_versions, release, satisfies, wheels_to_install
+from benchmarks.gpu_kit_build import (
+    STUDY_WHEELS,
+    WHEELS,
+    Piece,
+    kit_order,
+    left_out,
+    plan_calls,
+    repack_vllm,
+    write_kit,
+)
 
 
 def test_calls_are_filled_in_order_and_as_few_as_the_bytes_allow():
@@ -27,6 +36,16 @@ def test_calls_are_filled_in_order_and_as_few_as_the_bytes_allow():
         [Piece("vllm.tar.xz", 245, 5, 3), Piece("model.gguf", 0, 95, 0)],
         [Piece("model.gguf", 95, 25, 1)],
     ]
+
+
+def test_the_study_s_wheels_and_the_gguf_come_before_vllm():
+    wheels = [Path(f"{dist}-{version}-py3-none-any.whl") for dist, version, _, _ in WHEELS]
+    gguf, vllm = Path("model.gguf"), Path("vllm.tar.xz")
+    order = kit_order(wheels, gguf, vllm)
+    study = len(STUDY_WHEELS)
+    assert order == [*wheels[:study], gguf, *wheels[study:], vllm]
+    assert {path.name.split("-")[0] for path in order[:study]} >= {"trl", "datasets", "math", "gguf", "peft"}
+    assert kit_order(wheels, gguf, None) == [*wheels[:study], gguf]  # --without-vllm: two calls, not four
 
 
 def test_a_wheel_that_does_not_fit_what_is_left_starts_the_next_call():
@@ -204,6 +223,67 @@ def test_the_manifest_sums_every_part_and_whole(fake_kit):
     joined = b"".join((kit / p["call"] / p["file"]).read_bytes() for p in gguf["parts"])
     assert joined == model and hashlib.sha256(joined).hexdigest() == gguf["sha256"] and gguf["size"] == 3000
     assert json.loads((kit / "call-1" / "manifest.json").read_text()) == manifest
+
+
+KINDS = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE, "link": tarfile.LNKTYPE,
+         "fifo": tarfile.FIFOTYPE}  # fmt: skip
+
+
+def tar_of(path: Path, members: list[tuple[str, str, str]], mode: int = 0o644) -> Path:
+    """A tar of `(kind, name, the file's text or the link's target)` members (`KINDS`), files of `mode`."""
+    with tarfile.open(path, "w") as tar:
+        for kind, name, payload in members:
+            member = tarfile.TarInfo(name)
+            member.type, member.mode = KINDS[kind], mode if kind == "file" else 0o755
+            data = payload.encode() if kind == "file" else b""
+            member.linkname, member.size = payload if kind in ("symlink", "link") else "", len(data)
+            tar.addfile(member, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize("filters", ["tarfile's data filter", "none (Python 3.11.2)"])
+def test_an_archive_unpacks_the_same_with_or_without_tarfiles_filters(tmp_path, monkeypatch, filters):
+    """Python 3.11.2 (Debian 12's) has no `filter` argument to `extractall`: the install raised `TypeError`."""
+    if filters.startswith("none"):
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    members = [
+        ("dir", "pkg", ""),
+        ("file", "pkg/__init__.py", "VALUE = 1\n"),
+        ("symlink", "pkg/alias.py", "__init__.py"),
+    ]
+    site = tmp_path / "site"
+    with tarfile.open(tar_of(tmp_path / "good.tar", members, mode=0o4777)) as tar:
+        extract_data(tar, site)
+    assert (site / "pkg" / "alias.py").read_text() == "VALUE = 1\n" and (site / "pkg" / "alias.py").is_symlink()
+    assert (site / "pkg" / "__init__.py").stat().st_mode & 0o7777 == 0o755  # no setuid, no group or other write
+
+
+@pytest.mark.parametrize(
+    ("member", "refusal"),
+    [
+        (("file", "../outside.txt", "x"), r"member '../outside.txt' would land outside"),
+        (("file", "pkg/../../outside.txt", "x"), r"member 'pkg/../../outside.txt' would land outside"),
+        (("file", "{deep}/outside.txt", "x"), r"member '/.*/deep/outside.txt' would land outside"),
+        (("symlink", "pkg/up", "../../outside.txt"), r"link 'pkg/up' points outside .*: '../../outside.txt'"),
+        (("symlink", "passwd", "/etc/passwd"), r"link 'passwd' points outside .*: '/etc/passwd'"),
+        (("link", "hard", "../outside.txt"), r"link 'hard' points outside .*: '../outside.txt'"),
+        (("fifo", "pipe", ""), r"member 'pipe' is a device or a fifo"),
+    ],
+    ids=["..", "inner ..", "absolute", "symlink out", "absolute symlink", "hard link out", "fifo"],
+)
+def test_without_tarfiles_filters_a_member_out_of_place_is_refused_before_anything_is_written(
+    tmp_path, monkeypatch, member, refusal
+):
+    monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    site = tmp_path / "deep" / "site"
+    site.mkdir(parents=True)
+    kind, name, payload = member
+    bad = tar_of(
+        tmp_path / "bad.tar", [("file", "pkg/ok.py", "x"), (kind, name.format(deep=tmp_path / "deep"), payload)]
+    )
+    with tarfile.open(bad) as tar, pytest.raises(ValueError, match=refusal):
+        extract_data(tar, site)
+    assert list(site.iterdir()) == [] and not (tmp_path / "deep" / "outside.txt").exists()
 
 
 def test_the_benchmarks_readme_lists_every_pinned_wheel():

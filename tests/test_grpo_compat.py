@@ -294,6 +294,8 @@ PINNED_SIGNATURES = {
     "get_resumed_dataloader": "self, dataloader, num_batches",
     "_save_checkpoint": "self, model, trial",
     "_load_optimizer_and_scheduler": "self, checkpoint",
+    "_load_from_checkpoint": "self, resume_from_checkpoint, model=None",
+    "_issue_warnings_after_load": "self, load_result",
     "_run_epoch": "self, model, epoch, train_dataloader, steps_in_epoch, num_update_steps_per_epoch, trial, "
     "ignore_keys_for_eval, start_time, resume_from_checkpoint, epochs_trained, steps_trained_in_current_epoch",
     "log": "self, logs, start_time=None",

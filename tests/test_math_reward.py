@@ -4,9 +4,12 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from datasets import Dataset
@@ -45,6 +48,10 @@ CASES = [
     ("Answer: NaN", "nan", -1.0),
     ("Answer: inf", float("inf"), -1.0),
     ("Answer: -inf", float("-inf"), -1.0),
+    # nor is such a number's text, which an exact string match would have scored +1
+    ("Answer: inf", "inf", -1.0),
+    ("Answer: -Infinity", "-Infinity", -1.0),
+    ("Answer: $NaN$", "$NaN$", -1.0),
     ("Answer: 2", 2.0, 1.0),
 ]
 
@@ -64,6 +71,22 @@ def test_conversational_completions_and_logged_metrics():
     rewards = dapo_math_reward(completions, answer=["7", "7"], log_metric=logged.__setitem__)
     assert rewards == [1.0, -1.0]
     assert logged == {"math/accuracy": 0.5, "math/unparsable_ratio": 0.5, "math/undecided_ratio": 0.0}
+
+
+def test_a_completion_of_another_shape_is_named_with_the_shapes_accepted():
+    """A list of lists of strings (not of message dicts) raised `AttributeError: 'str' object has no attribute 'get'`."""
+    expected = (
+        r"completion 1 is list \['Answer: 5'\]; a completion is a string \(a standard dataset\) or a list of message "
+        r"dicts \(a conversational one, as TRL passes it: \[\{'role': 'assistant', 'content': 'Answer: 5'\}\]"
+    )
+    with pytest.raises(TypeError, match=expected):
+        dapo_math_reward([[{"role": "assistant", "content": "Answer: 5"}], ["Answer: 5"]], answer=["5", "5"])
+    with pytest.raises(TypeError, match=r"completion 0 is NoneType None; a completion is a string"):
+        dapo_math_reward([None], answer=["5"])
+    # what TRL passes for a conversational dataset, a tool's message with no content among them
+    turns = [{"role": "assistant", "content": "Let me check.", "tool_calls": []}, {"role": "tool", "content": None}]
+    completions = [[*turns, {"role": "assistant", "content": "\nAnswer: 5"}], "Answer: 5"]
+    assert dapo_math_reward(completions, answer=["5", "5"]) == [1.0, 1.0]
 
 
 SYMBOLIC = [("Answer: 0.5", "1/2", 1.0), ("Answer: \\frac{1}{2}", "0.5", 1.0), ("Answer: 1/3", "1/2", -1.0)]
@@ -119,7 +142,7 @@ def test_past_the_batch_bound_answers_are_string_matched_with_a_warning(monkeypa
         )
     assert rewards == [-1.0, 1.0]  # the string match alone: 0.5 is not decided equal to 1/2
     assert logged["math/undecided_ratio"] == 0.5
-    assert "the last 2 were string-matched" in caplog.text
+    assert "(waiting for the worker included) ran out; 2 were string-matched" in caplog.text
 
 
 def test_a_worker_out_of_time_gives_no_verdict_and_the_next_one_answers():
@@ -143,6 +166,58 @@ def test_the_worker_runs_nothing_from_the_current_folder(tmp_path, monkeypatch):
     finally:
         worker.close()
     assert not marker.exists()
+
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = """
+from trl_dapo.rewards.equivalence import EquivalenceWorker
+
+worker = EquivalenceWorker()
+print(worker.equivalent("0.5", "1/2", timeout=60.0))
+worker.close()
+"""
+
+
+@pytest.mark.parametrize("run_as", ["-m", "-c", "script"])
+def test_the_worker_imports_nothing_from_the_callers_folders(tmp_path, run_as):
+    """`python -m` put the working folder on the caller's path as an absolute entry, `python script.py` the script's
+    folder: a module there named like one math-verify imports ran in the worker."""
+    marker = tmp_path / "ran"
+    for name in ("math_verify", "latex2sympy2_extended"):
+        (tmp_path / f"{name}.py").write_text(
+            f"open({str(marker)!r}, 'a').write({name!r})\nraise SystemExit('the planted {name}.py ran')\n"
+        )
+    (tmp_path / "probe.py").write_text(PROBE)
+    command = {"-m": ["-m", "probe"], "-c": ["-c", PROBE], "script": [str(tmp_path / "probe.py")]}[run_as]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # this package: the worker must find math-verify all the same
+    result = subprocess.run([sys.executable, *command], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert not marker.exists(), result.stderr[-2000:]
+    assert result.returncode == 0 and result.stdout.split() == ["True"], result.stderr[-2000:]
+
+
+def test_concurrent_calls_each_return_within_the_bound(monkeypatch):
+    """Threads each scoring one slow answer: the call's clock started after its wait for the worker, and calls took up
+    to 38.9 s against a bound of 10.1 s. Each call now returns within the bound, its waits included (the slack: ending
+    the timed-out worker and starting its replacement, which the call does not wait for)."""
+    monkeypatch.setattr(math_reward, "why_costly", lambda answer: None)  # 9^{123456789} reaches math-verify
+    monkeypatch.setattr(math_reward, "BATCH_SECONDS", 3.0)
+    monkeypatch.setattr(math_reward, "BATCH_SECONDS_PER_COMPLETION", 0.0)
+    math_reward._WORKER.start()
+
+    def timed_call(_) -> tuple[float, list[float]]:
+        started = time.monotonic()
+        rewards = dapo_math_reward(["Answer: 9^{123456789}"], answer=["1"])
+        return time.monotonic() - started, rewards
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        calls = list(pool.map(timed_call, range(6)))
+    assert [rewards for _, rewards in calls] == [[-1.0]] * 6
+    bound = math_reward.batch_time_limit(1)
+    assert bound == 3.0
+    assert max(seconds for seconds, _ in calls) < bound + 2 * math_reward.ANSWER_TIMEOUT, calls
+    assert (
+        math_reward.score_answer("Answer: 0.5", "1/2").reward == 1.0
+    )  # the replacement answers, unbounded calls wait
 
 
 def wait_for_exit(pid: int, seconds: float) -> int | None:

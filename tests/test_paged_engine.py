@@ -5,11 +5,13 @@ a row cut and resumed by another call ends as it would have uncut, the call's ta
 are counted, every supported model type is served, and a set-up the engine cannot serve falls back to TRL's path,
 logging why."""
 
+import ast
 import logging
 import math
 import re
 import shutil
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,10 +27,11 @@ from helpers import (
     run_in_triton_interpreter,
 )
 from trl_dapo import DAPOTrainer
-from trl_dapo.rollout import SUPPORTED_MODEL_TYPES, TokenSampling
+from trl_dapo.rollout import SUPPORTED_MODEL_TYPES, TokenSampling, generation
 from trl_dapo.rollout.architectures import BY_MODEL_TYPE, UnsupportedArchitecture
 from trl_dapo.rollout.architectures.llama import LlamaArchitecture
 from trl_dapo.rollout.architectures.qwen3 import Qwen3Architecture
+from trl_dapo.rollout.engine_view import EngineView
 from trl_dapo.rollout.paged_engine import PagedRolloutEngine
 from trl_dapo.tiny_model import build_tiny_model
 from trl_dapo.trainer.collection.engine_choice import select_rollout_engine
@@ -693,6 +696,28 @@ def test_every_supported_model_type_generates_what_generate_does(model_and_token
     for prompt, completion, logps in zip(batch, sampled.completions, logprobs, strict=True):
         expected = teacher_forced_logprobs(model, prompt, completion, temperature=0.8)
         torch.testing.assert_close(logps, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_generation_reads_of_the_engine_what_its_view_names(model_and_tokenizer):
+    """`Generation` reads the engine through `EngineView` (so that their modules import each other one way only): the
+    engine has every member the view names (the rotary tables once a call built them), and the generation reads no
+    member of the engine that the view does not name."""
+    model, tokenizer = model_and_tokenizer
+    engine = engine_for(model, tokenizer)
+    assert not isinstance(engine, EngineView)  # no `cos` / `sin` before a call: the check looks at every member
+    engine.generate(prompts(tokenizer, 1), TokenSampling(max_new_tokens=2, greedy=True))
+    assert isinstance(engine, EngineView)
+    named = set(EngineView.__annotations__) | {
+        name for name in vars(EngineView) if callable(getattr(EngineView, name))
+    }
+    tree = ast.parse(Path(generation.__file__).read_text())
+    read = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in ("engine", "self.engine")
+    }
+    assert len(read) > 30
+    assert read - named == set()
 
 
 def test_each_supported_model_type_is_served_by_its_architecture():

@@ -119,7 +119,7 @@ def _targets(command: str, inline: bool) -> list[tuple[str, str, list[str]]]:
 
 def test_every_printed_command_calls_the_venv_or_make_outside_the_other_machines_section():
     commands = printed_commands()
-    assert len(commands) >= 60  # README, docs/benchmarks.md, docs/ablation.md and benchmarks/README.md all print some
+    assert len(commands) >= 60  # README, docs/performance.md, docs/ablation.md and benchmarks/README.md all print some
     bare = [
         (document.name, command)
         for document, command, heading, _ in commands

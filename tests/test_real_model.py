@@ -13,14 +13,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from ablation.store import write_json
 from dapo_real_model import SHIPPED_RESULTS, kept_pick, main, model_source, parse_args, study_config
-from real_model.arms import trainer_args
+from real_model.arms import ENGINE_PART, EVALUATION_ROWS_BESIDE_VLLM, VLLM_PART, evaluation_plan, trainer_args
 from real_model.config import (
+    CELLS,
     DAPO,
     GRPO,
     NO_OVERLONG,
@@ -35,9 +35,9 @@ from real_model.config import (
 )
 from real_model.grid import candidates
 from real_model.pilot import pick, pilot_jobs
-from real_model.report import area, seeds_to_decide, summarize
+from real_model.report import area, faster_trl, seeds_to_decide, summarize, time_target
 from real_model.runs import CountingMathReward, run_file
-from real_model.schedule import arm_jobs, next_batch, run_jobs
+from real_model.schedule import Launcher, arm_jobs, next_batch, run_jobs
 from real_model.scoring import Samples, cap_scores
 from trl_dapo.data.tasks import FAMILIES, PROMPT_STYLES, draw_problems, task_splits
 from trl_dapo.gguf import shipped_smollm2
@@ -162,10 +162,17 @@ def test_pilot_picks_the_earliest_learner_and_doubles_its_step_within_bounds(tmp
     assert chosen["cell"] == "add2-dapo-T1-c128" and chosen["learning_rate"] == 1e-5 and chosen["learned"]
     assert chosen["max_steps"] == 16 and chosen["early_step"] == 8  # 2 x 7 = 14, at least min_steps 16
     assert [r["learned"] for r in chosen["pilot"]] == [True, False, True, False]
+    # the second cell by the same rule among the other cell's runs: word2 at 1e-5, past 0.1 at step 10 -> 20 steps
+    second = chosen["second"]
+    assert (second["cell"], second["learning_rate"], second["learned"]) == ("word2-dapo-T1-c96", 1e-5, True)
+    assert second["max_steps"] == 20 and second["early_step"] == 8 and "pilot" not in second
     for job, curve in zip(jobs, curves, strict=True):  # none learned: the highest avg, the longest run
         write_json(Path(job["record"]), {"status": "ok", "curve": curve[:2]})
     fallback = pick(config, tmp_path, regime, jobs)
     assert not fallback["learned"] and fallback["cell"] == "word2-dapo-T1-c96" and fallback["max_steps"] == 32
+    assert fallback["second"]["cell"] == "add2-dapo-T1-c128" and fallback["second"]["learning_rate"] == 1e-5
+    one_cell = pick(config, tmp_path, regime, jobs[:2])  # a pilot of one cell picks no second cell
+    assert one_cell["cell"] == "word2-dapo-T1-c96" and one_cell["second"] is None
 
 
 def test_area_and_seeds_to_decide():
@@ -185,69 +192,161 @@ def _run(output: Path, kind: str, seed: int, values: list[float], seconds: float
                "steps": curve[-1]["step"], "train_s": curve[-1]["wall_clock_s"], "train": {}, **extra})  # fmt: skip
 
 
+def _sharing(output: Path, runs: dict[str, float]) -> None:
+    """A schedule.json under which each named run shared the device with the given mean number of runs: each run
+    alone in a window of its own, with `n - 1` filler processes covering it whole."""
+    schedule = {}
+    for window, (name, mean) in enumerate(runs.items()):
+        start = 200.0 * window
+        schedule[name] = {"start": start, "end": start + 100, "processes_in_batch": 1, "filler": False}
+        for other in range(round(mean) - 1):
+            schedule[f"{name}-beside{other}"] = {"start": start - 1 - other, "end": start + 101 + other,
+                                                 "processes_in_batch": 1, "filler": True}  # fmt: skip
+    write_json(output / "schedule.json", schedule)
+
+
 def test_report_pairs_areas_by_seed_and_reads_targets(tmp_path):
-    config = STUDY.with_overrides(seeds=(0, 1, 2), partial_seeds=(0, 1), ablation_seeds=(), trl_seeds=(0,))
-    write_json(tmp_path / "pick.json", {"early_step": 4})
+    config = STUDY.with_overrides(seeds=(0, 1, 2), second_cell_seeds=(), vllm_seeds=(0,), partial_seeds=(0, 1),
+                                  ablation_seeds=(), continuous_batching_seeds=())  # fmt: skip
+    write_json(tmp_path / "pick.json", {"early_step": 4, "cell": "add2-dapo-T1-c96", "second": None})
     for seed, (dapo, grpo) in enumerate([([0.0, 0.4, 0.8], [0.0, 0.2, 0.6]), ([0.0, 0.3, 0.5], [0.0, 0.3, 0.5]),
                                          ([0.0, 0.5, 0.6], [0.0, 0.2, 0.4])]):  # fmt: skip
         _run(tmp_path, DAPO, seed, dapo, seconds=20.0)
         _run(tmp_path, GRPO, seed, grpo)
+        _run(tmp_path, TRL_GRPO, seed, [0.0, 0.3, 0.92], seconds=50.0)
     _run(tmp_path, PARTIAL, 0, [0.0, 0.4, 0.8], seconds=15.0)
     _run(tmp_path, PARTIAL, 1, [0.0, 0.2, 0.5], seconds=15.0)
-    _run(tmp_path, TRL_GRPO, 0, [0.0, 0.3, 0.92], seconds=50.0)
+    # seed 2's TRL run shared the device with 3 runs, its DAPO run with 9: their wall-clocks do not compare
+    _sharing(tmp_path, {"dapo-seed0": 9, "trl_grpo-seed0": 9, "dapo-seed1": 9, "trl_grpo-seed1": 9,
+                        "dapo-seed2": 9, "trl_grpo-seed2": 3})  # fmt: skip
     summary = summarize(config, tmp_path)
-    main_pair = summary["comparisons"]["dapo_minus_grpo"]
+    cell = summary["cells"]["first"]
+    assert set(summary["cells"]) == {"first"} and cell["trl_path"] == TRL_GRPO
+    main_pair = cell["comparisons"]["dapo_minus_grpo"]
     # AUC over 8 steps by the trapezoid rule: seed 0 DAPO (4 x 0.2 + 4 x 0.6) / 8 = 0.4, GRPO (0.4 + 1.6) / 8 = 0.25
     assert main_pair["auc_steps"]["by_seed"] == pytest.approx({0: 0.15, 1: 0.0, 2: 0.2})
     assert main_pair["early"]["by_seed"] == pytest.approx({0: 0.2, 1: 0.0, 2: 0.3})
     # over wall-clock, up to the shorter run (GRPO's 20 s, DAPO's step 4): seed 0 DAPO 0.2, GRPO (1 + 4) / 20
     assert main_pair["auc_wall_clock"]["by_seed"] == pytest.approx({0: -0.05, 1: -0.125, 2: 0.05})
     assert main_pair["train_s"]["by_seed"] == {0: 20.0, 1: 20.0, 2: 20.0}
-    assert summary["comparisons"]["partial_minus_dapo"]["auc_steps"]["by_seed"] == pytest.approx({0: 0.0, 1: -0.05})
-    assert summary["targets"]["dapo_auc_above_grpo_6_seeds"] is None  # 3 seeds: not measured, whatever the mean
-    assert summary["targets"]["partial_faster"] is True and summary["partial_rollouts"]["faster"]
-    # the TRL run reached 0.9 at 50 + 50 x 0.6 / 0.62 s; no DAPO run did: DAPO's time to it is not measured; the
-    # highest level every compared run reached is 0.5 (DAPO's seed 1)
-    levels = summary["wall_clock"]
-    assert [entry["level"] for entry in levels] == [0.9, 0.5]
-    assert levels[0]["trl"]["trl_grpo-seed0"]["wall_clock_s"] == pytest.approx(50 + 50 * 0.6 / 0.62)
-    assert levels[0]["trl"]["trl_grpo-seed0"]["dapo_over_this"] is None
-    assert summary["targets"]["dapo_faster_than_trl_to_level"] is None
-    assert "dapo_partial_kept-seed2" not in summary["left"] and "trl_grpo_vllm-seed0" in summary["left"]
+    # against TRL over DAPO's 40 s: seed 0 DAPO (20 x 0.2 + 20 x 0.6) / 40 = 0.4, TRL (at 40 s: 0.3 x 40 / 50) 0.12
+    against_trl = cell["comparisons"]["dapo_minus_trl"]
+    assert against_trl["auc_wall_clock"]["by_seed"] == pytest.approx({0: 0.28, 1: 0.155})
+    assert against_trl["auc_wall_clock"]["left_out_for_sharing"] == 1 and against_trl["auc_steps"]["n"] == 3
+    assert cell["comparisons"]["grpo_minus_trl"]["seeds"] == [0, 1, 2]
+    assert cell["comparisons"]["partial_minus_dapo"]["auc_steps"]["by_seed"] == pytest.approx({0: 0.0, 1: -0.05})
+    assert cell["targets"]["dapo_wall_clock_auc_above_trl"] is None  # 2 pairs: not measured, whatever the mean
+    assert cell["targets"]["partial_faster"] is True and cell["partial_rollouts"]["faster"]
+    # held-out 0.5: DAPO seed 0 at 20 + 20 x 0.1 / 0.4 = 25 s (step 5), seed 1 at 40 s, seed 2 at 20 s
+    half, high = ({kind: arm for kind, arm in entry["arms"].items()} for entry in cell["levels"])
+    assert [row["wall_clock_s"] for row in half[DAPO]["by_seed"].values()] == pytest.approx([25.0, 40.0, 20.0])
+    assert half[DAPO]["median_wall_clock_s"] == pytest.approx(25.0) and half[DAPO]["median_step"] == pytest.approx(5)
+    # 0.9: every TRL run at 50 + 50 x 0.6 / 0.62 s, no DAPO run: DAPO is not faster to it
+    assert high[DAPO]["share"] == 0.0 and high[TRL_GRPO]["share"] == 1.0
+    assert high[TRL_GRPO]["median_wall_clock_s"] == pytest.approx(50 + 50 * 0.6 / 0.62)
+    assert cell["targets"]["dapo_half_trl_time_to_0.9"] is False
+    assert summary["left"] == ["trl_grpo_vllm-seed0"] and not summary["complete"]
 
 
 def test_no_target_is_met_on_a_reference_never_reached(tmp_path):
     """Every accuracy 0: a time to 0 is 0 for every run, which compares nothing (it once read as `True`)."""
-    config = STUDY.with_overrides(seeds=(0, 1), partial_seeds=(), ablation_seeds=(), trl_seeds=(0,))
-    for kind in (DAPO, GRPO):
+    config = STUDY.with_overrides(seeds=(0, 1), second_cell_seeds=(), vllm_seeds=(), partial_seeds=(),
+                                  ablation_seeds=(), continuous_batching_seeds=())  # fmt: skip
+    for kind in (DAPO, GRPO, TRL_GRPO):
         for seed in (0, 1):
-            _run(tmp_path, kind, seed, [0.0, 0.0, 0.0])
-    _run(tmp_path, TRL_GRPO, 0, [0.0, 0.0, 0.0], seconds=40.0)
-    summary = summarize(config, tmp_path)
-    assert True not in summary["targets"].values()
-    assert [entry["level"] for entry in summary["wall_clock"]] == [0.9]
-    assert summary["wall_clock"][0]["trl"]["trl_grpo-seed0"]["wall_clock_s"] is None
+            _run(tmp_path, kind, seed, [0.0, 0.0, 0.0], seconds=40.0 if kind == TRL_GRPO else 10.0)
+    cell = summarize(config, tmp_path)["cells"]["first"]
+    assert True not in cell["targets"].values() and cell["targets"]["dapo_half_trl_time_to_0.9"] is None
+    assert all(arm["median_wall_clock_s"] is None for entry in cell["levels"] for arm in entry["arms"].values())
 
 
-def test_runs_start_in_order_within_the_slots_and_the_deadline(tmp_path):
-    config = STUDY.with_overrides(seeds=(0, 1), partial_seeds=(0,), ablation_seeds=(), slots=3)
+def test_faster_trl_path_and_time_target():
+    def runs(seconds_per_step: float) -> dict[int, dict]:
+        return {seed: {"train_s": seconds_per_step * 16, "steps": 16} for seed in range(3)}
+
+    assert faster_trl({TRL_GRPO: runs(3.0), TRL_VLLM: runs(2.0)}) == TRL_VLLM
+    assert faster_trl({TRL_GRPO: runs(3.0)}) == TRL_GRPO and faster_trl({DAPO: runs(1.0)}) is None
+
+    def levels(dapo: tuple, trl: tuple) -> list[dict]:
+        arm = lambda median, share: {"median_wall_clock_s": median, "share": share}  # noqa: E731
+        return [{"level": 0.9, "arms": {DAPO: arm(*dapo), TRL_GRPO: arm(*trl)}}]
+
+    assert time_target(levels((50.0, 0.5), (100.0, 0.5)), TRL_GRPO) is True
+    assert time_target(levels((50.1, 0.5), (100.0, 0.5)), TRL_GRPO) is False  # more than half TRL's time
+    assert time_target(levels((40.0, 0.4), (100.0, 0.5)), TRL_GRPO) is False  # fewer seeds reach it
+    assert time_target(levels((40.0, 0.4), (None, 0.0)), TRL_GRPO) is True  # TRL never reaches it
+    assert time_target(levels((None, 0.0), (None, 0.0)), TRL_GRPO) is None
+
+
+def test_runs_start_in_order_with_the_slots_kept_full(tmp_path):
+    config = STUDY.with_overrides(seeds=(0, 1), second_cell_seeds=(0,), vllm_seeds=(0,), partial_seeds=(0,),
+                                  ablation_seeds=(), continuous_batching_seeds=(), slots=3, device="cpu")  # fmt: skip
+    second = {"family": "word2", "style": "dapo", "temperature": 1.0, "cap": 96, "cell": "word2-dapo-T1-c96",
+              "learning_rate": 3e-5, "max_steps": 20}  # fmt: skip
     chosen = {"family": "add2", "style": "dapo", "temperature": 1.0, "cap": 128, "cell": "add2-dapo-T1-c128",
-              "learning_rate": 1e-5, "max_steps": 16}  # fmt: skip
+              "learning_rate": 1e-5, "max_steps": 16, "second": second}  # fmt: skip
     jobs = arm_jobs(config, tmp_path, chosen)
-    assert [j["name"] for j in jobs] == ["dapo-seed0", "grpo_settings-seed0", "dapo-seed1", "grpo_settings-seed1",
-        "dapo_partial_kept-seed0", "trl_grpo-seed0", "trl_grpo_vllm-seed0", "trl_grpo_continuous_batching-seed0"]  # fmt: skip
+    assert [j["name"] for j in jobs] == [
+        "dapo-seed0", "grpo_settings-seed0", "trl_grpo-seed0", "dapo-seed1", "grpo_settings-seed1", "trl_grpo-seed1",
+        "second-dapo-seed0", "second-grpo_settings-seed0", "second-trl_grpo-seed0", "trl_grpo_vllm-seed0",
+        "dapo_partial_kept-seed0"]  # fmt: skip
+    assert {(j["task"]["cell"], j["learning_rate"], j["max_steps"]) for j in jobs if j["cell"] == "second"} == {
+        ("word2-dapo-T1-c96", 3e-5, 20)
+    }
+    assert [j["name"] for j in arm_jobs(config, tmp_path, {**chosen, "second": None})][-1] == "dapo_partial_kept-seed0"
     write_json(run_file(tmp_path, DAPO, 0), {"status": "ok", "total_s": 100.0})  # 140 s with start-up
-    launcher = SimpleNamespace(running={}, deadline=time.time() + 130)
+    launcher = Launcher(config, tmp_path, deadline=time.time() + 130)
     # DAPO runs now take 140 s, more than is left; GRPO's prior: 40 + 16 x 4.4 x 0.5 + 5 x 5 x 0.5 = 87.7 s
-    assert [j["name"] for j in next_batch(config, launcher, jobs, jobs)] == ["grpo_settings-seed0"]
+    assert next_batch(config, launcher, jobs, jobs) == ([jobs[1]], False)
+    dapo_only = [jobs[0], jobs[3]]
+    assert next_batch(config, launcher, dapo_only, jobs) == ([], False)  # nothing fits, nothing expected running
+    launcher.running = {"expected": ([jobs[1]], 0.0, False)}
+    assert next_batch(config, launcher, dapo_only, jobs) == ([jobs[0]], True)  # a filler keeps the slots full
+    launcher.running = {"a": ([jobs[1]], 0.0, False), "b": ([jobs[2]], 0.0, False), "c": ([jobs[4]], 0.0, False)}
+    assert next_batch(config, launcher, dapo_only, jobs) == ([], False)  # the slots are full
     launcher.deadline = None
-    vllm = [j for j in jobs if j["kind"] == TRL_VLLM]
-    launcher.running = {"process": ([jobs[0]], 0.0)}
-    assert next_batch(config, launcher, vllm, jobs) == []  # the vLLM arm runs alone
-    launcher.running = {}
-    assert next_batch(config, launcher, vllm, jobs) == vllm
-    launcher.running = {"process": (vllm, 0.0)}
-    assert next_batch(config, launcher, jobs[1:3], jobs) == []  # nothing beside it
+    vllm = next(j for j in jobs if j["kind"] == TRL_VLLM)
+    write_json(Path(vllm["record"]), {"status": "building"})  # as `Launcher.start` marks it
+    launcher.running = {"vllm": ([vllm], 0.0, False)}
+    assert next_batch(config, launcher, jobs[1:3], jobs) == ([], False)  # nothing starts while vLLM starts
+    write_json(Path(vllm["record"]), {"status": "running", "curve": []})
+    assert next_batch(config, launcher, jobs[1:3], jobs) == ([jobs[1]], False)
+
+
+def test_fillers_are_stopped_with_what_they_started_and_recorded(tmp_path):
+    config = STUDY.with_overrides(device="cpu")
+    launcher = Launcher(config, tmp_path, deadline=None)
+    job = {"name": "dapo-seed7", "kind": DAPO, "seed": 7, "record": str(tmp_path / "runs" / "dapo-seed7.json")}
+    # a process that starts a child of its own, as a run starts its reward worker
+    process = subprocess.Popen(["sh", "-c", "sleep 60 & echo $! > child; wait"], cwd=tmp_path, start_new_session=True)
+    launcher.running[process] = ([job], time.time(), True)
+    for _ in range(100):
+        if (tmp_path / "child").is_file() and (tmp_path / "child").read_text().strip():
+            break
+        time.sleep(0.05)
+    child = int((tmp_path / "child").read_text())
+    assert not launcher.expected_running()
+    launcher.stop_fillers()
+    assert launcher.reap() == [] and not launcher.running  # a filler's exit code is no failure of the study
+    entry = json.loads((tmp_path / "schedule.json").read_text())["dapo-seed7"]
+    assert entry["filler"] is True and entry["end"] >= entry["start"]
+    time.sleep(0.2)
+    stat = Path(f"/proc/{child}/stat")  # gone, or a zombie no one has reaped yet: no longer running either way
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_the_vllm_arm_evaluates_in_a_bounded_pool_beside_vllm():
+    job = {"kind": TRL_VLLM, "task": {"cap": 96}}
+    plan = evaluation_plan(STUDY, job, share=0.1)
+    assert plan["max_rows"] == EVALUATION_ROWS_BESIDE_VLLM and plan["max_cache_tokens"] == 128 * (160 + 96)
+    assert plan["memory_fraction"] == pytest.approx(ENGINE_PART * 0.1)
+    assert evaluation_plan(STUDY, {**job, "kind": DAPO}, share=0.1) == {
+        "memory_fraction": pytest.approx(ENGINE_PART * 0.1), "max_rows": STUDY.engine_max_rows,
+        "max_cache_tokens": None}  # fmt: skip
+    vllm_config = trainer_args(smoke(STUDY), {**job, "seed": 0, "learning_rate": 1e-4, "max_steps": 2,
+                                              "task": {"family": "add1", "style": "dapo", "temperature": 1.0,
+                                                       "cap": 8}}, "unused", 0.1)[1]  # fmt: skip
+    assert vllm_config.vllm_gpu_memory_utilization == pytest.approx(VLLM_PART * 0.1)
 
 
 def test_the_arms_differ_in_their_pieces_only():
@@ -297,9 +396,13 @@ def test_report_reads_the_shipped_bundle_and_says_when_a_folder_has_no_study(tmp
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit, match=f"no study in {tmp_path}.*--report --output {SHIPPED_RESULTS}"):
         main(["--report", "--output", str(tmp_path)])
-    assert main(["--report", "--output", str(ROOT / SHIPPED_RESULTS)]) == 1  # the first study ran no TRL-vLLM arm
+    assert main(["--report", "--output", str(ROOT / SHIPPED_RESULTS)]) == 0  # incomplete, which is no failure
     printed = capsys.readouterr().out
-    assert "task: add1-dapo-T1, cap 256, learning rate 1e-05, 48 steps, early step 24" in printed
+    assert (  # the first study ran one TRL seed beside its three of DAPO and GRPO's settings
+        "incomplete: 2 runs have no result yet (trl_grpo-seed1, trl_grpo-seed2); a study call with the same --output "
+        "runs them." in printed.splitlines()
+    )
+    assert "## first cell: add1-dapo-T1, cap 256, learning rate 1e-05, 48 steps, early step 24" in printed
     # the first study's paired final difference, as docs/real-model.md quotes it
     assert (
         "| dapo_minus_grpo | at the last step | 0: -0.030, 1: -0.020, 2: +0.032 | -0.006 | -0.089 to +0.077 |"
@@ -314,12 +417,16 @@ def test_smoke_study_runs_end_to_end(tmp_path):
     command = [sys.executable, str(ROOT / "recipes/dapo_real_model.py"), "--smoke", "--output", str(output)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "[grid] add1-dapo-T1-c6" in result.stdout and "picked add1-dapo-T1-c6" in result.stdout
+    assert "[grid] add1-dapo-T1-c6" in result.stdout and "[grid] add1-oneshot-T1-c6" in result.stdout
+    first, second = (re.search(rf"picked \({cell} cell\) (add1-\w+-T1-c6)", result.stdout) for cell in CELLS)
+    assert first and second and first.group(1) != second.group(1)
     config = smoke(STUDY)
     study = json.loads((output / "study.json").read_text())
     assert set(study) == {"environment", "settings", "grid", "pick", "runs", "schedule", "summary"}
-    assert study["pick"]["max_steps"] == 2 and len(study["pick"]["pilot"]) == 1 and len(study["runs"]) == 9
+    assert study["pick"]["max_steps"] == 2 and len(study["pick"]["pilot"]) == 2 and len(study["runs"]) == 12
+    assert study["pick"]["second"]["cell"] == second.group(1) and "second-trl_grpo-seed0" in study["runs"]
     summary = study["summary"]
+    assert set(summary["cells"]) == set(CELLS) and summary["cells"]["second"]["task"] == second.group(1)
     assert summary["complete"] and summary["skipped"] == ["trl_grpo_vllm-seed0"]
     assert "vLLM" in study["runs"]["trl_grpo_vllm-seed0"]["reason"]
     for name, run in study["runs"].items():
@@ -329,13 +436,14 @@ def test_smoke_study_runs_end_to_end(tmp_path):
         assert run["curve"][0]["wall_clock_s"] == 0.0 < run["curve"][2]["wall_clock_s"] <= run["train_s"]
         assert {"entropy", "truncated", "answer_line", "line_accuracy", "mean_length"} <= set(run["curve"][2])
         assert len(run["train"]["study/truncated"]) == 2, name  # every generated completion, every step
+        assert run["trained_dtypes"] == ["float32"], name  # no generation path cast the weights (bf16 is off here)
     engines = {name: run.get("rollout_engine") for name, run in study["runs"].items()}
     assert engines["trl_grpo-seed0"] == "transformers generate" and engines["dapo-seed0"] == "PagedRolloutEngine"
     assert engines["trl_grpo_continuous_batching-seed0"] == "transformers continuous batching"
     trained = study["runs"]["grpo_settings-seed0"]["train"]  # DAPO's steps are skipped: no informative group
     assert all(len(trained[name]) == 2 for name in ("entropy", "clip_ratio/low_mean", "logprob_gap_mean"))
     assert len(study["runs"]["dapo-seed0"]["train"]["dapo/generated_groups"]) == 2
-    for figure in ("study.png", "mechanisms.png"):
+    for figure in ("study.png", "mechanisms.png", "study-second.png", "mechanisms-second.png"):
         assert (output / figure).stat().st_size > 10_000
     # a rerun keeps every grid cell and finished run under these settings
     cell = json.loads((output / "grid" / "add1-dapo-T1.json").read_text())

@@ -2,17 +2,19 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from trl import ModelConfig, TrlParser
 
-from dapo_math import RecipeConfig, ScriptArguments, named_model
+from config_file import MAX_DEPTH, MAX_NODES
+from dapo_math import main, named_model, parser
 from helpers import free_port
 from reporting import SUMMARY_METRICS, format_summary, summarize
+from trl_dapo.evaluation import MathAccuracyCallback
 
 ROOT = Path(__file__).parent.parent
 
@@ -20,8 +22,7 @@ CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
 
 
 def parse(*argv):
-    parser = TrlParser((ScriptArguments, RecipeConfig, ModelConfig))
-    return parser.parse_args_and_config(args=list(argv))
+    return parser().parse_args_and_config(args=list(argv))
 
 
 def test_yaml_then_command_line_override():
@@ -116,8 +117,6 @@ def test_tiny_recipe_runs_end_to_end(tmp_path):
 def test_a_model_path_is_loaded_with_the_model_configs_fields(tiny_model, tmp_path):
     """`--model_name_or_path` (the 7B command's path): loaded through TRL with ModelConfig's loading fields and
     `trust_remote_code` from the training config, as TRL's GRPO script does; model_init_kwargs given win."""
-    from dapo_math import main
-
     script, config, model = parse(
         "--config", str(ROOT / "recipes/configs/tiny_cpu.yaml"), "--model_name_or_path", tiny_model,
         "--output_dir", str(tmp_path / "run"), "--max_steps", "1", "--report_to", "none", "--summary_window", "1",
@@ -153,8 +152,6 @@ def test_help_prints():
 
 
 def test_resume_from_checkpoint_continues_the_run(tmp_path):
-    from dapo_math import main
-
     output = tmp_path / "run"
     quick = [
         "--config", str(ROOT / "recipes/configs/tiny_cpu.yaml"), "--output_dir", str(output),
@@ -190,8 +187,6 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
 def test_invalid_settings_stop_the_recipe_before_it_builds_a_model(tmp_path, option, message):
     """The tiny model is built and warm-started before the trainer: a setting the trainer rejects must stop the run
     before that work."""
-    from dapo_math import main
-
     output = tmp_path / "run"
     with pytest.raises(ValueError, match=message):
         main(*parse("--config", str(ROOT / "recipes/configs/tiny_cpu.yaml"), "--output_dir", str(output), *option))
@@ -212,3 +207,133 @@ def test_tiny_recipe_trains_on_two_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads((output / "summary.json").read_text())
     assert "math/accuracy" in summary and "dapo/gen_batches" in summary, summary
+
+
+TINY = ("--config", str(ROOT / "recipes/configs/tiny_cpu.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        # the reported command: it trained to the end, then transformers refused the temperature at the evaluation
+        (["--eval_temperature", "0", "--arithmetic_num_test", "5"], "ScriptArguments.eval_temperature=0.0 is inva"),
+        (["--eval_temperature", "nan"], "ScriptArguments.eval_temperature=nan is invalid: use a finite number > 0"),
+        (["--eval_top_p", "0"], "ScriptArguments.eval_top_p=0.0 is invalid: use a finite number in (0, 1]"),
+        (["--eval_num_samples", "-1"], "ScriptArguments.eval_num_samples=-1 is invalid: use 0 or a positive int"),
+        (["--eval_every", "-2"], "ScriptArguments.eval_every=-2 is invalid: use 0 or a positive integer"),
+        (["--arithmetic_num_train", "0"], "ScriptArguments.arithmetic_num_train=0 is invalid: use a positive int"),
+        (["--arithmetic_num_train", "-5"], "ScriptArguments.arithmetic_num_train=-5 is invalid: use a positive in"),
+        (["--arithmetic_max_operand", "-1"], "ScriptArguments.arithmetic_max_operand=-1 is invalid: use 0 or a po"),
+        (["--tiny_model_hidden_size", "0"], "ScriptArguments.tiny_model_hidden_size=0 is invalid: use an integer >="),
+        (["--tiny_model_hidden_size", "12"], "ScriptArguments.tiny_model_hidden_size=12 is invalid: the tiny model"),
+        (["--tiny_model_warm_start_steps", "-1"], "ScriptArguments.tiny_model_warm_start_steps=-1 is invalid: use 0"),
+        (["--summary_window", "0"], "ScriptArguments.summary_window=0 is invalid: use a positive integer"),
+        (
+            ["--arithmetic_num_test", "5", "--arithmetic_max_operand", "4"],
+            "ScriptArguments.arithmetic_num_test=5 is invalid: with arithmetic_max_operand=4 there are 25 distinct "
+            "problems, fewer than arithmetic_num_train (25) + arithmetic_num_test, so held-out problems would repeat",
+        ),
+        (["--save_steps", "nan"], "DAPOConfig.save_steps=nan is invalid: use a finite number > 0"),
+        (["--logging_steps", "nan"], "DAPOConfig.logging_steps=nan is invalid: use a finite number > 0"),
+        (["--warmup_steps", "inf"], "DAPOConfig.warmup_steps=inf is invalid: use a finite number >= 0"),
+        (["--max_steps", "-5"], "DAPOConfig.max_steps=-5 is invalid: use a positive integer or -1 (a number of opt"),
+    ],
+)
+def test_a_bad_recipe_argument_is_refused_when_the_arguments_are_parsed(option, message):
+    """Before any data or model is made: each of these failed after the warm start or after training, or with an
+    error naming no argument (ZeroDivisionError, "no 'prompt' column", KeyError)."""
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        parse(*TINY, *option)
+
+
+def test_a_prompt_template_is_one_of_the_templates(tmp_path, capsys):
+    with pytest.raises(SystemExit):  # argparse's choices, on the command line
+        parse(*TINY, "--prompt_template", "foo")
+    assert "invalid choice: 'foo' (choose from 'dapo', 'plain')" in capsys.readouterr().err
+    config = tmp_path / "config.yaml"
+    config.write_text("prompt_template: foo\n")
+    with pytest.raises(
+        ValueError, match=r"^ScriptArguments.prompt_template='foo' is invalid: use one of \('dapo', 'p"
+    ):
+        parse("--config", str(config))
+
+
+def test_the_model_is_saved_before_the_final_evaluation(tmp_path, monkeypatch):
+    """An error in the held-out evaluation at the end (transformers refusing a setting, say) then costs no weights,
+    even with `save_strategy: no`; the final numbers still reach the log and the summary."""
+    output = tmp_path / "run"
+    saved_when_evaluated = []
+    evaluate = MathAccuracyCallback.evaluate
+
+    def spy(callback):
+        saved_when_evaluated.append((output / "model.safetensors").exists())
+        return evaluate(callback)
+
+    monkeypatch.setattr(MathAccuracyCallback, "evaluate", spy)
+    summary = main(*parse(
+        *TINY, "--output_dir", str(output), "--max_steps", "1", "--tiny_model_warm_start_steps", "2",
+        "--arithmetic_num_train", "20", "--arithmetic_num_test", "4", "--eval_num_samples", "2", "--report_to", "none",
+        "--summary_window", "1",
+    ))  # fmt: skip
+    assert saved_when_evaluated == [True]
+    assert 0.0 <= summary["eval/accuracy"]["last"] <= 1.0
+
+
+def _alias_bomb(key: str, levels: int) -> str:
+    """`key` holding a list of `levels` lists, each of 9 aliases of the one before (the first of 9 numbers): a few
+    hundred bytes that stand for about 9**levels numbers once the aliases are expanded."""
+    lines = [f"{key}:", f"  - &level1 [{', '.join(['1.0'] * 9)}]"]
+    lines += [f"  - &level{n} [{', '.join([f'*level{n - 1}'] * 9)}]" for n in range(2, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("key", ["reward_weights", "not_an_argument", "env"])
+def test_a_yaml_alias_bomb_is_refused_before_trl_reads_it(tmp_path, key):
+    """Under a field, an unknown key or `env:`: TRL's parser expanded it (3 GiB at 9 levels) and the range error
+    quoted it whole (39 MB at 7 levels). Here: an error naming the file and the bound, a line long."""
+    config = tmp_path / "bomb.yaml"
+    indented = "".join(f"  {line}\n" for line in _alias_bomb("X", 7).splitlines())
+    config.write_text(f"env:\n{indented}" if key == "env" else _alias_bomb(key, 7))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(config))}: more than {MAX_NODES} values once its ali"):
+        parse("--config", str(config))
+    assert config.stat().st_size < 1000  # a few hundred bytes
+
+
+def test_a_value_below_the_bound_is_refused_in_a_short_message(tmp_path):
+    """5 levels (74,733 values expanded) pass the bound; the field's error shows the value shortened."""
+    config = tmp_path / "bomb.yaml"
+    config.write_text(_alias_bomb("reward_weights", 5))
+    with pytest.raises(
+        ValueError, match=r"^DAPOConfig\.reward_weights=\[\[1\.0, 1\.0, .* is invalid: every weight"
+    ) as error:
+        parse("--config", str(config))
+    assert len(str(error.value)) < 300
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("reward_weights: &loop [1.0, *loop]\n", "an alias refers to a node that contains it (line 1)"),
+        (f"reward_weights: {'[' * (MAX_DEPTH + 1)}{']' * (MAX_DEPTH + 1)}\n", f"nested more than {MAX_DEPTH} levels"),
+        ("learning_rat: 0.1\n", "'learning_rat' (= 0.1) is not an argument of this recipe (did you mean 'learning_r"),
+        ("env:\n  X: [1, 2]\n", "env 'X' = [1, 2]: an environment variable is a name and one value"),
+        ("- 1\n", "a config is a YAML mapping of argument names to values, not [1]."),
+        (f"x: '{'y' * (1 << 20)}'\n", f"{(1 << 20) + 6} bytes, more than {1 << 20}"),
+    ],
+    ids=["recursive", "deep", "typo", "env-list", "not-a-mapping", "large"],
+)
+def test_a_config_file_is_read_within_bounds(tmp_path, text, message):
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    with pytest.raises(ValueError, match="^" + re.escape(f"{config}: {message}")):
+        parse("--config", str(config))
+
+
+def test_the_demo_configs_times_say_on_what_machine_and_load():
+    """The demo took 39 s on one machine and 136 s on a loaded 2-core one: a time that does not say where it was
+    measured ("a few minutes on 2 cores") misleads by several times."""
+    text = (ROOT / "recipes/configs/tiny_cpu.yaml").read_text()
+    comments = " ".join(line[1:].strip() for line in text.splitlines() if line.startswith("#"))
+    times = re.findall(r"(\d+) s on (\d+) cores of an? [A-Za-z ]+\(([^)]*)\)", comments)
+    assert len(times) >= 2 and "a few minutes" not in comments
+    assert all("load" in note and re.search(r"20\d\d-\d\d-\d\d", note) for _, _, note in times), times

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from helpers import dapo_args
 from trl_dapo.rollout import TokenSampling
+from trl_dapo.rollout.merged_linear import linear_weight
 from trl_dapo.rollout.token_sampling import chunked_argmax, chunked_logsumexp, pick_tokens, stop_table, truncate
-from trl_dapo.rollout.weights import linear_weight
 from trl_dapo.trainer.collection.engine_choice import token_sampling
 
 

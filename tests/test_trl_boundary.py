@@ -28,6 +28,8 @@ READ_AT_THE_BOUNDARY = [
     "_get_per_token_logps_and_entropies",
     "_get_train_sampler",
     "_is_vlm",
+    "_issue_warnings_after_load",
+    "_load_from_checkpoint",
     "_load_optimizer_and_scheduler",
     "_log_metric",
     "_metrics",

@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from vllm_stub import LOGPROB_SHIFT, VLLMClient, install
+from vllm_stub import LOGPROB_SHIFT, VLLMClient, health_endpoint, install
 
 from helpers import arithmetic_prompts, dapo_args, record_batches, rows_of, teacher_forced_logprobs, trained_rows
 from trl_dapo import DAPOTrainer
@@ -177,7 +177,10 @@ def test_recompute_keeps_vllms_logprobs_as_the_rollout_policy_of_the_correction(
 
 def test_server_mode_runs_dapo_through_trls_client(tiny_model, tmp_path, monkeypatch):
     install(monkeypatch, server=VLLMClient.serving(tiny_model))
-    trainer = vllm_trainer(tiny_model, tmp_path, vllm_mode="server", overlong_buffer_len=4)
+    with health_endpoint() as url:
+        trainer = vllm_trainer(
+            tiny_model, tmp_path, vllm_mode="server", vllm_server_base_url=url, overlong_buffer_len=4
+        )
     sampler = trainer.vllm_generation.vllm_client.sampler
     sampler.training_model = trainer.model
     batches = record_batches(trainer)
@@ -192,8 +195,8 @@ def test_server_mode_runs_dapo_through_trls_client(tiny_model, tmp_path, monkeyp
 def test_a_server_whose_logprobs_are_not_the_sampled_distributions_is_refused(tiny_model, tmp_path, monkeypatch):
     install(monkeypatch, server=VLLMClient.serving(tiny_model, logprobs_mode="raw_logprobs"))
     expected = "--logprobs-mode raw_logprobs, .* Restart the server with --logprobs-mode processed_logprobs"
-    with pytest.raises(ValueError, match=expected):
-        vllm_trainer(tiny_model, tmp_path, vllm_mode="server")
+    with health_endpoint() as url, pytest.raises(ValueError, match=expected):
+        vllm_trainer(tiny_model, tmp_path, vllm_mode="server", vllm_server_base_url=url)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,10 @@ purpose, so a test can tell them from the training model's.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -220,6 +223,29 @@ class VLLMClient:
 
     def reset_prefix_cache(self) -> None:
         pass
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def health_endpoint() -> Iterator[str]:
+    """A local server answering `/health` as a running vLLM server does (the trainer asks it before TRL's client is
+    built, `vllm_path.py`); yields its base URL, for `vllm_server_base_url`."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 DISTRIBUTED_ENVIRONMENT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

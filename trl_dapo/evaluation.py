@@ -204,7 +204,9 @@ class MathAccuracyCallback(TrainerCallback):
     `k` completions per held-out problem.
 
     Results join the next training log of `trainer` (a `DAPOTrainer`: `add_metrics`) as `eval/accuracy` (avg@k) and
-    `eval/pass@k`. Each rank scores a share of the problems; the counts are gathered.
+    `eval/pass@k`. Each rank scores a share of the problems; the counts are gathered. With `at_train_end=False` the
+    final evaluation waits for `evaluate_final`, so a script can save the trained model first: an error in the
+    evaluation then costs no weights.
     """
 
     def __init__(
@@ -216,6 +218,7 @@ class MathAccuracyCallback(TrainerCallback):
         temperature: float = 1.0,
         top_p: float = 0.7,
         batch_size: int = 8,
+        at_train_end: bool = True,
     ) -> None:
         if len(dataset) == 0:
             raise ValueError(
@@ -224,6 +227,7 @@ class MathAccuracyCallback(TrainerCallback):
             )
         self.trainer, self.dataset, self.k, self.every = trainer, dataset, k, every
         self.temperature, self.top_p, self.batch_size = temperature, top_p, batch_size
+        self.at_train_end = at_train_end
         self.evaluated_step: int | None = None
 
     def on_step_end(self, args, state, control, **kwargs: Any):
@@ -232,9 +236,15 @@ class MathAccuracyCallback(TrainerCallback):
             self.evaluated_step = state.global_step
 
     def on_train_end(self, args, state, control, **kwargs: Any):
-        if self.evaluated_step != state.global_step:  # a second pass would log the same step twice
+        if self.at_train_end:
+            self.evaluate_final()
+
+    def evaluate_final(self) -> None:
+        """The trained model's evaluation, unless its last step was just evaluated, and the numbers not yet logged
+        into the log history (no later training log comes)."""
+        if self.evaluated_step != self.trainer.state.global_step:  # a second pass would log the same step twice
             self.evaluate()
-        self.trainer.flush_metrics()  # the final numbers into the log history
+        self.trainer.flush_metrics()
 
     def evaluate(self) -> dict[str, float]:
         trainer = self.trainer

@@ -6,11 +6,15 @@ transformers sizes the model from the header's fields, then reads the tensors. A
 neither the file's fault nor its path. (The `gguf` package's reader loops over an array's stated length, even one past
 the file's end, so it cannot be the one to read a file it has not checked.)
 
-`check_gguf_file` reads the header with every count bounded by the bytes left in the file, then checks what a model
-would be built from against what the file holds: each tensor's bytes lie within the file; the layer count against the
-layers the tensor names hold (`blk.N.`); the width, the vocabulary, the feed-forward and expert sizes, the attention
-heads and the rotary dimensions against the tensor shapes; the context length against a bound, since it sizes the
-rotary tables. Any fault is a `ValueError` naming the path and the field.
+`check_gguf_file` reads the header with every count bounded by the bytes left in the file (arrays nested at most
+`MAX_ARRAY_DEPTH` deep: deeper ones raised `RecursionError`), then checks what a model would be built from against
+what the file holds: each tensor's bytes lie within the file, no two overlapping; the layer count against the layers
+the tensor names hold (`blk.N.`); the width, the vocabulary, the feed-forward and expert sizes, the attention heads
+and the rotary dimensions against the tensor shapes, the key/value heads against the query heads; the context length
+against a bound, since it sizes the rotary tables; the tokenizer's arrays are of strings and numbers as their kind
+(integer tokens raised `TypeError` inside transformers) and of one length; and, since a size no tensor confirms (or
+one transformers fills with its default) still sizes the model, the weights of the model transformers would build
+against those the file holds (`gguf_weights.py`). Any fault is a `ValueError` naming the path and the field.
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import chain, pairwise
 from pathlib import Path
 from typing import Any
+
+from .gguf_weights import check_built_weights
 
 MAGIC = b"GGUF"
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -33,6 +40,18 @@ MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, dimension count, type, off
 MAX_DIMS = 4  # GGML_MAX_DIMS
 DEFAULT_ALIGNMENT = 32
 MAX_CONTEXT_LENGTH = 2**24  # 16.8M positions: the longest contexts are 10M; the rotary tables are sized by it
+MAX_ARRAY_DEPTH = 8  # arrays of arrays: GGUF files hold flat ones (llama.cpp reads no nested array)
+ITEM_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
+              STRING: "string", ARRAY: "array", 10: "uint64", 11: "int64", 12: "float64"}  # fmt: skip
+INTEGERS = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
+NUMBERS = INTEGERS | {6, 12}
+# the tokenizer's arrays: (what their items are, the GGUF item types that are such)
+TOKENIZER_ARRAYS = {
+    "tokenizer.ggml.tokens": ("strings (each token's text)", frozenset({STRING})),
+    "tokenizer.ggml.merges": ("strings (`a b` pairs)", frozenset({STRING})),
+    "tokenizer.ggml.scores": ("numbers", NUMBERS),
+    "tokenizer.ggml.token_type": ("integers", INTEGERS),
+}
 LAYER = re.compile(r"blk\.(\d+)\.")
 
 
@@ -42,9 +61,11 @@ class _Truncated(Exception):
 
 @dataclass(frozen=True)
 class Array:
-    """An array field's length (its items are not kept: a vocabulary holds 150k strings)."""
+    """An array field's length and item type (`ITEM_NAMES`); its items are not kept: a vocabulary holds 150k
+    strings."""
 
     length: int
+    items: int
 
 
 @dataclass(frozen=True)
@@ -98,8 +119,10 @@ class _Reader:
             raise _Truncated(f"{what} = {count} (at least {each} bytes each)")
         return count
 
-    def value(self, kind: int, what: str) -> Any:
+    def value(self, kind: int, what: str, depth: int = 0) -> Any:
         """A field's value: a number, a string, or an `Array` (its items checked to fit, not kept)."""
+        if depth > MAX_ARRAY_DEPTH:
+            raise ValueError(f"{what} nests arrays more than {MAX_ARRAY_DEPTH} deep")
         if kind in SCALARS:
             return self.unpack(SCALARS[kind], what)
         if kind == STRING:
@@ -117,8 +140,8 @@ class _Reader:
                 self.skip(self.count(f"{what}[{index}]", 1))
         else:
             for index in range(length):
-                self.value(ARRAY, f"{what}[{index}]")
-        return Array(length)
+                self.value(ARRAY, f"{what}[{index}]", depth + 1)
+        return Array(length, item_kind)
 
 
 def check_gguf_file(path: str | Path) -> Header:
@@ -136,6 +159,7 @@ def check_gguf_file(path: str | Path) -> Header:
     except (ValueError, UnicodeDecodeError) as error:
         raise ValueError(f"{path}: truncated or corrupt GGUF: {error}.") from None
     _check_model_sizes(path, header)
+    check_built_weights(path, header.fields, [tensor.shape for tensor in header.tensors.values()])
     return header
 
 
@@ -177,7 +201,8 @@ def _tensor_info(reader: _Reader) -> tuple[str, tuple[int, ...], int, int]:
 
 
 def _place_tensors(infos: list, data_start: int, file_size: int) -> dict[str, Tensor]:
-    """Each tensor's bytes, from its shape and type, within the file."""
+    """Each tensor's bytes, from its shape and type, within the file, no two overlapping (so the weights the file
+    holds are bounded by its size)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     sizes = {int(kind): size for kind, size in GGML_QUANT_SIZES.items() if isinstance(kind, GGMLQuantizationType)}
@@ -197,6 +222,13 @@ def _place_tensors(infos: list, data_start: int, file_size: int) -> dict[str, Te
                 f"tensor {name}'s data (bytes {start} to {end}) runs past the end of the file ({file_size} bytes)"
             )
         tensors[name] = Tensor(shape, start, end)
+    placed = sorted(tensors.items(), key=lambda item: (item[1].start, item[1].end))
+    for (before, first), (name, second) in pairwise(placed):
+        if second.start < first.end:
+            raise ValueError(
+                f"tensor {name}'s data (bytes {second.start} to {second.end}) overlaps tensor {before}'s "
+                f"({first.start} to {first.end})"
+            )
     return tensors
 
 
@@ -281,16 +313,34 @@ class _ModelSizes:
         if key_heads is not None and keys is not None and len(keys[1]) == 2 and key_heads * head_dim != keys[1][1]:
             held = f"{keys[0]} holds {keys[1][1]} outputs ({keys[1][1] / head_dim:g} heads of {head_dim})"
             yield f"{self.arch}.attention.head_count_kv", f"is {key_heads}, but {held}"
+        elif key_heads is not None and not (0 < key_heads <= heads and heads % key_heads == 0):
+            reason = f"is {key_heads}, but the {heads} query heads (attention.head_count) are not groups of that many"
+            yield f"{self.arch}.attention.head_count_kv", reason
+
+
+def _tokenizer_faults(fields: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """The tokenizer's arrays hold items of their kind (`TOKENIZER_ARRAYS`), one per token."""
+    tokens = fields.get("tokenizer.ggml.tokens")
+    for key, (kind, types) in TOKENIZER_ARRAYS.items():
+        value = fields.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, Array) or value.items not in types:
+            held = f"{ITEM_NAMES[value.items]} items" if isinstance(value, Array) else type(value).__name__
+            yield key, f"holds {held}, not an array of {kind}"
+        elif key != "tokenizer.ggml.merges" and isinstance(tokens, Array) and value.length != tokens.length:
+            yield key, f"holds {value.length} items, but tokenizer.ggml.tokens holds {tokens.length} tokens"
 
 
 def _check_model_sizes(path: Path, header: Header) -> None:
-    """The sizes a model would be built with, against the tensors the file holds; the first fault named."""
+    """The sizes a model would be built with, against the tensors the file holds, and the tokenizer's arrays; the
+    first fault named."""
     architecture = header.fields.get("general.architecture")
     if not isinstance(architecture, str):
         raise ValueError(f"{path}: truncated or corrupt GGUF: no general.architecture names the model's kind.")
-    fault = next(_ModelSizes(header, architecture).faults(), None)
+    fault = next(chain(_ModelSizes(header, architecture).faults(), _tokenizer_faults(header.fields)), None)
     if fault is not None:
         raise ValueError(
-            f"{path}: the GGUF header's {fault[0]} {fault[1]}: the header is corrupt or was edited, and a model built "
-            "from it would not be the one the file holds."
+            f"{path}: the GGUF header's {fault[0]} {fault[1]}: the header is corrupt or was edited, and what "
+            "transformers built from it would not be what the file holds."
         )

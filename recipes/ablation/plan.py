@@ -20,7 +20,7 @@ from .model import VOCAB_SIZE
 from .variants import variants_of
 
 # transformers `generate` (TRL's path): TRL generated at 25-26 ms per decode step for the 24- and 28-layer Qwen2.5
-# 0.5B/1.5B on an H200 (docs/benchmarks.md, 2026-12-02), about 0.9 ms per layer beside a fixed part.
+# 0.5B/1.5B on an H200 (docs/history.md, 2026-12-02), about 0.9 ms per layer beside a fixed part.
 HF_STEP_FIXED_S = 3e-3
 HF_STEP_PER_LAYER_S = 0.9e-3
 EVAL_ROWS_SLOWDOWN = 1.5  # evaluation calls carry up to `eval_max_rows` rows, more than a training round

@@ -42,7 +42,11 @@ ACCURACY = "accuracy"  # the reward's name: dynamic sampling filters on it
 # headroom for the sampling head's chunks, the training state and the allocator's slack. Planned in the whole share,
 # every DAPO run of the first H100 study ran out of memory in an evaluation's sampling head.
 ENGINE_PART = 0.75
-VLLM_PART = 0.35  # vLLM's whole footprint (weights, graphs, KV) beside the training state in the same share
+# vLLM's whole footprint (weights, activations, graphs, KV cache) in a share, for the whole run. Its KV cache is
+# allocated in the same process and counted in the budget the evaluation engine plans in, so the two parts must leave
+# that budget room for the training state and the evaluation's own pool (`evaluation_plan`).
+VLLM_PART = 0.25
+EVALUATION_ROWS_BESIDE_VLLM = 128  # rows the evaluation engine decodes at once beside vLLM (512 elsewhere)
 KEPT_CACHE_PART = 0.05  # of the share: the carried rows' KV held through the training step (partial rollouts)
 PROMPT_ROOM = 160  # tokens of the longest chat-templated prompt, with room (the DAPO template is about 110)
 CACHE_PAGE = 256  # tokens per page of transformers' continuous-batching cache (its default)
@@ -106,6 +110,18 @@ def trl_fields(config: RealModelConfig, kind: str, job: dict, share: float) -> d
         cache = {"num_blocks": pages, "max_batch_tokens": 4096}
         return dict(use_transformers_continuous_batching=True, transformers_continuous_batching_config=cache)
     return {}
+
+
+def evaluation_plan(config: RealModelConfig, job: dict, share: float) -> dict:
+    """What the run's evaluation engine plans its KV pool in: `memory_fraction` of the device, counting everything the
+    process holds (vLLM included), at most `max_rows` rows and `max_cache_tokens` tokens at once. Beside vLLM, whose
+    part of the share stays allocated through the run, the pool is bounded in tokens so it needs no more than the
+    share leaves: an evaluation engine planned like the other arms' got no memory at all in the first H100 study."""
+    if job.get("arm", job["kind"]) != TRL_VLLM:
+        return {"memory_fraction": ENGINE_PART * share, "max_rows": config.engine_max_rows, "max_cache_tokens": None}
+    rows = EVALUATION_ROWS_BESIDE_VLLM
+    return {"memory_fraction": ENGINE_PART * share, "max_rows": rows,
+            "max_cache_tokens": rows * (PROMPT_ROOM + job["task"]["cap"])}  # fmt: skip
 
 
 def trainer_args(config: RealModelConfig, job: dict, output_dir: str, share: float):

@@ -4,8 +4,8 @@ when each ran, the summary; everything but the model), and back: `unpack` lays a
 
 The first study (2026-12-06, `add1`) wrote its bundle before the grid had caps and the pick had a pilot: its settings
 name one `max_completion_length`, learning rate and step count, which `unpack` moves into its pick and grid cells,
-and it ran no partial-rollout or ablation arms, which its settings then list no seeds for (nor TRL's vLLM and
-continuous-batching arms, which its report lists as left).
+and it ran no second cell, partial-rollout, ablation, TRL-vLLM or continuous-batching arms, which its settings then
+list no seeds for (its TRL `generate` arm ran seed 0 alone: the report lists seeds 1 and 2 as left).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ablation.store import read_json, write_json
 
-from .config import RealModelConfig
+from .config import SEED_FIELDS, RealModelConfig
 from .grid import cell_name
 from .pilot import early_step
 
@@ -54,7 +54,7 @@ def unpack(path: Path, folder: Path) -> RealModelConfig:
     settings = dict(data["settings"])
     legacy = "caps" not in settings
     if legacy:
-        settings |= {"partial_seeds": [], "ablation_seeds": [], "trl_seeds": settings.get("trl_seeds", [0])}
+        settings |= {field: () for field in SEED_FIELDS if field != "seeds"}
     config = RealModelConfig.from_dict(settings)
     folder.mkdir(parents=True, exist_ok=True)
     config.save(folder / "study_config.json")

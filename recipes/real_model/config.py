@@ -1,18 +1,20 @@
 """Every setting of the real-model study in one place, its run kinds in the order they run, and its CPU smoke preset.
 
-The study (issue 51) looks for a regime where DAPO's pieces act on a small pretrained model (SmolLM2-135M-Instruct):
-most groups all-wrong at the start, completions long enough that some are cut. It runs in three phases, each kept
-on disk and resumed by the same command:
+The study looks for a regime where DAPO's pieces act on a small pretrained model (SmolLM2-135M-Instruct): most
+groups all-wrong at the start, completions long enough that some are cut. It runs in three phases, each kept on disk
+and resumed by the same command:
 
 1. the grid: the base model's avg@16, pass@16 and truncated share per task family x prompt style x length cap
    (sampled once at the largest cap; each smaller cap is the same samples cut there);
 2. the pilot: GRPO's settings for `pilot_steps` on the grid's best candidates at each pilot learning rate; a fixed
-   rule (`pilot.py`) picks the cell, the learning rate and the step count before any arm runs;
-3. the arms, in the order of `RUN_ORDER` (the most decisive first): DAPO and GRPO's settings seed by seed, then
-   partial rollouts, then the single-piece ablations, then TRL's `GRPOTrainer` for wall-clock.
+   rule (`pilot.py`) picks two cells, each with its learning rate and step count, before any arm runs;
+3. the arms, in the order of `run_order` (the most decisive first): on the first cell DAPO, GRPO's settings and TRL's
+   `GRPOTrainer` seed by seed; the same three on the second cell; TRL with vLLM colocated; then the single-piece
+   ablations, partial rollouts and TRL's continuous batching.
 
 Sized from the first H100 study (2026-12-06: 7 processes, 48 steps of 16 prompts x 8 samples at a 256-token cap in
-about 5 minutes each): 8 prompts x 8 samples per step, at most 32 steps, a cap of at most 192, 7 runs at once.
+about 5 minutes each): 8 prompts x 8 samples per step, at most 32 steps, a cap of at most 192, 9 runs at once (three
+seeds of the three compared arms).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ TRL_GRPO, TRL_VLLM, TRL_CONTINUOUS = "trl_grpo", "trl_grpo_vllm", "trl_grpo_cont
 PILOT = "pilot"  # GRPO's settings on a pilot cell at a pilot learning rate
 ABLATIONS = (NO_DYNAMIC_SAMPLING, SYMMETRIC_CLIP, NO_OVERLONG)
 TRL_KINDS = (TRL_GRPO, TRL_VLLM, TRL_CONTINUOUS)
+COMPARED = (DAPO, GRPO, TRL_GRPO)  # the arms run on both cells, seed by seed
 RUN_KINDS = (DAPO, GRPO, PARTIAL, *ABLATIONS, *TRL_KINDS)
+CELLS = ("first", "second")  # the pick's cell, and the second cell picked with it by the same rule
 
 
 @dataclass(frozen=True)
@@ -75,18 +79,25 @@ class RealModelConfig:
     epsilon_high: float = 0.28
     max_num_gen_batches: int = 4
     dynamic_sampling_max_oversample: float = 2.0
-    # ---- seeds per kind: DAPO and GRPO's settings first, then partial rollouts, ablations, TRL's wall-clock arms
-    seeds: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
-    partial_seeds: tuple[int, ...] = (0, 1, 2)
-    ablation_seeds: tuple[int, ...] = (0, 1, 2)
-    trl_seeds: tuple[int, ...] = (0,)
+    # ---- seeds per kind. DAPO, GRPO's settings and TRL's GRPOTrainer on `generate` (`COMPARED`): 12 on each cell, enough
+    # to decide the paired area over wall-clock that 6 seeds left open. The rest on the first cell only.
+    seeds: tuple[int, ...] = tuple(range(12))
+    second_cell_seeds: tuple[int, ...] = tuple(range(12))
+    vllm_seeds: tuple[int, ...] = tuple(range(6))
+    partial_seeds: tuple[int, ...] = tuple(range(6))
+    ablation_seeds: tuple[int, ...] = tuple(range(6))
+    # TRL's continuous batching trains the model in bf16 (its generation casts the weights in place and never back):
+    # one run records it (`trained_dtypes`), last
+    continuous_batching_seeds: tuple[int, ...] = (0,)
     # ---- machinery
     device: str = "cuda"
     bf16: bool = True
     engine_max_rows: int = 512  # decode slots of the evaluation engine
-    slots: int = 7  # run processes sharing the device at once: the first study's 7, 9.4 GiB each on an H100
+    # Run processes sharing the device at once, kept at this number while any timed run is on the device (so every
+    # arm's wall-clock is measured under the same sharing): 7.2 GiB each on an H100, 16 CPU cores for 9 processes
+    slots: int = 9
     jobs_per_process: int = 1  # runs one process takes in turn (1: each run in a fresh process)
-    torch_threads: int = 2  # per run process
+    torch_threads: int = 1  # per run process
 
     def __post_init__(self) -> None:
         unknown = set(self.families) - set(FAMILIES) | set(self.styles) - set(PROMPT_STYLES)
@@ -126,20 +137,24 @@ class RealModelConfig:
         """Optimizer steps with a held-out evaluation: 0, every `eval_every`, and the last."""
         return sorted({0, *range(self.eval_every, max_steps + 1, self.eval_every), max_steps})
 
-    def seeds_of(self, kind: str) -> tuple[int, ...]:
-        if kind in (DAPO, GRPO):
-            return self.seeds
-        if kind == PARTIAL:
-            return self.partial_seeds
-        return self.trl_seeds if kind in TRL_KINDS else self.ablation_seeds
+    def seeds_of(self, kind: str, cell: str = CELLS[0]) -> tuple[int, ...]:
+        if cell != CELLS[0]:
+            return self.second_cell_seeds if kind in COMPARED else ()
+        by_kind = {DAPO: self.seeds, GRPO: self.seeds, TRL_GRPO: self.seeds, TRL_VLLM: self.vllm_seeds,
+                   TRL_CONTINUOUS: self.continuous_batching_seeds, PARTIAL: self.partial_seeds}  # fmt: skip
+        return by_kind.get(kind, self.ablation_seeds)
 
-    def run_order(self) -> list[tuple[str, int]]:
-        """Every (kind, seed) in the order they start: DAPO and GRPO's settings seed by seed (a call cut short still
-        pairs them), then partial rollouts, the ablations seed by seed, and TRL's wall-clock arms."""
-        order = [(kind, seed) for seed in self.seeds for kind in (DAPO, GRPO)]
-        order += [(PARTIAL, seed) for seed in self.partial_seeds]
-        order += [(kind, seed) for seed in self.ablation_seeds for kind in ABLATIONS]
-        return order + [(kind, seed) for kind in TRL_KINDS for seed in self.trl_seeds]
+    def run_order(self) -> list[tuple[str, str, int]]:
+        """Every (cell, kind, seed) in the order they start: the compared arms seed by seed on the first cell, then on
+        the second (a call cut short still pairs them), TRL with vLLM colocated, the ablations seed by seed, partial
+        rollouts, and TRL's continuous batching."""
+        first, second = CELLS
+        order = [(first, kind, seed) for seed in self.seeds for kind in COMPARED]
+        order += [(second, kind, seed) for seed in self.second_cell_seeds for kind in COMPARED]
+        order += [(first, TRL_VLLM, seed) for seed in self.vllm_seeds]
+        order += [(first, kind, seed) for seed in self.ablation_seeds for kind in ABLATIONS]
+        order += [(first, PARTIAL, seed) for seed in self.partial_seeds]
+        return order + [(first, TRL_CONTINUOUS, seed) for seed in self.continuous_batching_seeds]
 
     def grid_fingerprint(self) -> str:
         """What a grid cell depends on: a cell recorded under other values is measured again."""
@@ -171,9 +186,15 @@ class RealModelConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
-PROCESS_FIELDS = frozenset(
-    {"seeds", "partial_seeds", "ablation_seeds", "trl_seeds", "slots", "jobs_per_process", "torch_threads"}
+SEED_FIELDS = (
+    "seeds",
+    "second_cell_seeds",
+    "vllm_seeds",
+    "partial_seeds",
+    "ablation_seeds",
+    "continuous_batching_seeds",
 )
+PROCESS_FIELDS = frozenset({*SEED_FIELDS, "slots", "jobs_per_process", "torch_threads"})
 
 
 def digest(values: dict) -> str:
@@ -184,18 +205,19 @@ STUDY = RealModelConfig()
 
 
 def smoke(config: RealModelConfig) -> RealModelConfig:
-    """The pipeline end to end on the CPU with a tiny model: one family and style, two caps, one pilot run, two
-    steps per run with an evaluation after each, one seed per kind, every run in one process."""
+    """The pipeline end to end on the CPU with a tiny model: one family in two prompt styles (two cells), two caps, one
+    pilot run per cell, two steps per run with an evaluation after each, one seed per kind, every run in one
+    process."""
     return config.with_overrides(
         families=("add1",),
-        styles=("dapo",),
+        styles=("dapo", "oneshot"),
         caps=(6, 8),
         grid_problems=4,
         k=2,
         max_base_avg=1.0,
         min_base_pass=0.0,
         min_truncated=0.0,
-        pilot_cells=1,
+        pilot_cells=2,
         pilot_learning_rates=(1e-4,),
         pilot_steps=2,
         min_steps=2,
@@ -208,10 +230,7 @@ def smoke(config: RealModelConfig) -> RealModelConfig:
         optimizer_steps_per_generation=1,
         eval_every=1,
         max_num_gen_batches=2,
-        seeds=(0,),
-        partial_seeds=(0,),
-        ablation_seeds=(0,),
-        trl_seeds=(0,),
+        **dict.fromkeys(SEED_FIELDS, (0,)),
         device="cpu",
         bf16=False,
         engine_max_rows=16,

@@ -10,6 +10,9 @@ study's, and its step count is twice that step, rounded up to a generation batch
 max_steps]: the runs go on as long again after learning shows, and stop before the ceiling where every arm ties.
 Where no run learned, the run with the highest held-out avg@k is taken, marked `learned: false`, with `max_steps`.
 
+The second cell (`pick["second"]`) is picked by the same rule among the pilot runs of the other cells, at the same
+time: one cell shows a case, two show a pattern, and both are fixed before any arm runs.
+
 Why GRPO's settings: it is the cheaper arm (no extra rounds), and any advantage the pick could give one arm goes to
 the baseline, so it cannot make DAPO look better.
 """
@@ -22,7 +25,7 @@ from pathlib import Path
 from ablation.report import crossing
 from ablation.store import read_json
 
-from .config import GRPO, PILOT, RealModelConfig
+from .config import CELLS, GRPO, PILOT, RealModelConfig
 from .grid import cell_name
 
 
@@ -82,21 +85,24 @@ def early_step(config: RealModelConfig, max_steps: int) -> int:
     return max((s for s in steps if s <= max_steps / 2), default=steps[0])
 
 
-def pick(config: RealModelConfig, output: Path, regime: dict, jobs: list[dict]) -> dict:
-    """The study's task, learning rate, step count and fixed early step, with the pilot's readings and why."""
-    readings = [reading(config, job, read_json(Path(job["record"]))) for job in jobs]
+def choose(config: RealModelConfig, readings: list[dict]) -> tuple[dict, str] | None:
+    """The rule's run among `readings` and why; None where none finished."""
     learned = [r for r in readings if r["learned"]]
     finished = [r for r in readings if r["status"] == "ok"]
     if learned:
         chosen = min(learned, key=lambda r: (r["step_to_level"], -r["line_accuracy_gain"], r["learning_rate"]))
-        reason = (f"learned (held-out avg@{config.k} past {config.learned_level} and line accuracy up by "
-                  f">= {config.line_accuracy_gain}); of {len(learned)} such runs, the earliest past "
-                  f"{config.learned_level}")  # fmt: skip
-    elif finished:
-        chosen = max(finished, key=lambda r: (r["best"], -r["learning_rate"]))
-        reason = "no pilot run learned: the highest held-out avg@k taken instead"
-    else:
-        raise RuntimeError(f"no pilot run finished ({[r['status'] for r in readings]}); see {output / 'logs'}.")
+        return chosen, (f"learned (held-out avg@{config.k} past {config.learned_level} and line accuracy up by "
+                        f">= {config.line_accuracy_gain}); of {len(learned)} such runs, the earliest past "
+                        f"{config.learned_level}")  # fmt: skip
+    if finished:
+        return max(finished, key=lambda r: (r["best"], -r["learning_rate"])), (
+            "no pilot run learned: the highest held-out avg@k taken instead"
+        )
+    return None
+
+
+def cell_pick(config: RealModelConfig, regime: dict, jobs: list[dict], chosen: dict, reason: str) -> dict:
+    """One cell's task, learning rate, step count and fixed early step, with its grid row and why."""
     job = next(j for j in jobs if j["name"] == chosen["job"])
     steps = study_steps(config, chosen.get("step_to_level"))
     row = next(r for r in regime["rows"] if cell_name(r["family"], r["style"], r["temperature"], r["cap"])
@@ -110,9 +116,28 @@ def pick(config: RealModelConfig, output: Path, regime: dict, jobs: list[dict]) 
         f"base_pass@{config.k}": row[f"pass@{config.k}"]["all"],
         "base_truncated": row["truncated"],
         "in_band": regime["in_band"],
-        "learned": bool(learned),
+        "learned": chosen["learned"],
         "reason": f"{regime['rule']}; pilot: {reason}; steps: twice the step it passed {config.learned_level}, "
         f"within [{config.min_steps}, {config.max_steps}]",
+    }
+
+
+def pick(config: RealModelConfig, output: Path, regime: dict, jobs: list[dict]) -> dict:
+    """The study's task, learning rate, step count and fixed early step, with the pilot's readings and why; under
+    "second", the second cell's, by the same rule among the other cells' pilot runs (None with one pilot cell)."""
+    readings = [reading(config, job, read_json(Path(job["record"]))) for job in jobs]
+    first = choose(config, readings)
+    if first is None:
+        raise RuntimeError(f"no pilot run finished ({[r['status'] for r in readings]}); see {output / 'logs'}.")
+    others = choose(config, [r for r in readings if r["cell"] != first[0]["cell"]])
+    return {
+        **cell_pick(config, regime, jobs, *first),
+        "second": None if others is None else cell_pick(config, regime, jobs, *others),
         "pilot": readings,
         "settings": config.fingerprint(),
     }
+
+
+def picked(pick: dict, cell: str) -> dict | None:
+    """The pick of one of `CELLS`: the first is the pick itself, the second its "second" entry (None: none picked)."""
+    return pick if cell == CELLS[0] else pick.get("second")

@@ -25,8 +25,8 @@ from ablation.store import read_json, write_json
 from trl_dapo.data.tasks import task_splits
 from trl_dapo.rewards.math import dapo_math_reward
 
-from .arms import ACCURACY, ENGINE_PART, trainer_args
-from .config import RealModelConfig, digest
+from .arms import ACCURACY, evaluation_plan, trainer_args
+from .config import CELLS, RealModelConfig, digest
 from .scoring import EngineScorer
 
 # Training metrics kept per optimizer step (TRL's, DAPOTrainer's and the reward's over every generated completion).
@@ -74,12 +74,20 @@ class CountingMathReward:
         return rewards
 
 
+BUILDING = "building"  # a run's status while its trainer is built, before its first evaluation
+
+
 def model_copy(output: Path) -> Path:
     return output / "model"
 
 
-def run_file(output: Path, kind: str, seed: int) -> Path:
-    return output / "runs" / f"{kind}-seed{seed}.json"
+def run_name(cell: str, kind: str, seed: int) -> str:
+    """A run's name in the study folder: the first cell's runs unprefixed (as the first studies named them)."""
+    return f"{kind}-seed{seed}" if cell == CELLS[0] else f"{cell}-{kind}-seed{seed}"
+
+
+def run_file(output: Path, kind: str, seed: int, cell: str = CELLS[0]) -> Path:
+    return output / "runs" / f"{run_name(cell, kind, seed)}.json"
 
 
 def job_fingerprint(config: RealModelConfig, job: dict) -> str:
@@ -156,8 +164,10 @@ def run(config: RealModelConfig, output: Path, job: dict, share: float, deadline
         write_json(path, result)
 
     trainer, reward, tokenizer, test = build(config, output, job, share)
-    scorer = EngineScorer(trainer.model, tokenizer, config.k, job["task"]["cap"], config.engine_max_rows,
-                          ENGINE_PART * share, config.device)  # fmt: skip
+    plan = evaluation_plan(config, job, share)
+    scorer = EngineScorer(trainer.model, tokenizer, config.k, job["task"]["cap"], plan["max_rows"],
+                          plan["memory_fraction"], config.device, plan["max_cache_tokens"])  # fmt: skip
+    result["evaluation_plan"] = plan | memory_now()
     eval_steps = config.eval_steps(job["max_steps"])
     trainer.add_callback(HeldOutCurve(eval_steps, scorer, test, job, reward, record, deadline))
     trainer.train()
@@ -172,6 +182,8 @@ def run(config: RealModelConfig, output: Path, job: dict, share: float, deadline
         "generated_completions": reward.completions,
         "generated_tokens": reward.tokens,
         "padding_free": getattr(trainer, "padding_free", False),  # DAPOTrainer's resolved choice; TRL's: padded
+        # float32 unless the generation path cast the trained weights (TRL's continuous batching under bf16)
+        "trained_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in trainer.model.parameters()}),
         "rollout_engine": rollout_engine(trainer, engine),
         "train": {name: [[e["step"], e[name]] for e in history if name in e] for name in TRAIN_METRICS},
     }
@@ -179,6 +191,13 @@ def run(config: RealModelConfig, output: Path, job: dict, share: float, deadline
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     write_json(path, result)
     return result
+
+
+def memory_now() -> dict:
+    """The process's device memory when its evaluation engine was built (beside vLLM's, a collision shows here)."""
+    if not torch.cuda.is_available():
+        return {}
+    return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved()}
 
 
 def rollout_engine(trainer, engine) -> str:

@@ -40,7 +40,15 @@ class EngineScorer:
     """Samples `k` completions per problem with the paged engine and scores them with the math reward."""
 
     def __init__(
-        self, model, tokenizer, k: int, max_new_tokens: int, max_rows: int, memory_fraction: float, device: str
+        self,
+        model,
+        tokenizer,
+        k: int,
+        max_new_tokens: int,
+        max_rows: int,
+        memory_fraction: float,
+        device: str,
+        max_cache_tokens: int | None = None,
     ) -> None:
         cuda = device == "cuda"
         self.tokenizer, self.k, self.max_new_tokens = tokenizer, k, max_new_tokens
@@ -53,6 +61,7 @@ class EngineScorer:
             compile_decode=False,  # several processes compiling at once would cost more than the evaluations save
             memory_fraction=memory_fraction,
             max_rows=max_rows,
+            max_cache_tokens=max_cache_tokens,
             device=torch.device(device),  # where the engine decodes, wherever the model is when it is built
         )
 

@@ -1,5 +1,6 @@
 """The study's report as Markdown tables (printed, and pasted into docs/real-model.md): the grid, the pilot and the
-pick, every run, the paired comparisons, the TRL wall-clock arms, partial rollouts' verdict and the targets."""
+picks, then per cell every run, the paired comparisons, each arm's time to the held-out levels, partial rollouts'
+verdict and the targets."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from pathlib import Path
 
 from ablation.store import read_json
 
-from .config import RealModelConfig
+from .config import CELLS, RealModelConfig
 from .grid import cell_name, rows_of
+from .pilot import picked
 
 MEASURE_LABELS = {
     "auc_steps": "AUC over steps",
@@ -55,9 +57,9 @@ def pilot_table(pick: dict) -> list[str]:
     return _table(header, rows) if rows else []
 
 
-def runs_table(summary: dict) -> list[str]:
-    metric, rows = summary["metric"], []
-    for kind, by_seed in summary["runs"].items():
+def runs_table(cell: dict) -> list[str]:
+    metric, rows = cell["metric"], []
+    for kind, by_seed in cell["runs"].items():
         for seed, run in by_seed.items():
             note = run["note"] if isinstance(run["note"], str) else " ".join(run["note"])
             rows.append([kind, seed, run["status"], str(run["steps"]), _number(run["train_s"], 0),
@@ -69,46 +71,60 @@ def runs_table(summary: dict) -> list[str]:
     return _table(header, rows)
 
 
-def comparison_table(summary: dict) -> list[str]:
+def comparison_table(cell: dict) -> list[str]:
     rows = []
-    for name, comparison in summary["comparisons"].items():
+    for name, comparison in cell["comparisons"].items():
         for measure, label in MEASURE_LABELS.items():
             stats = comparison.get(measure)
             if not stats:
                 continue
             by_seed = ", ".join(f"{seed}: {value:+.3f}" for seed, value in stats["by_seed"].items())
             interval = "-" if not stats["ci95"] else f"{stats['ci95'][0]:+.3f} to {stats['ci95'][1]:+.3f}"
+            unlike = stats.get("left_out_for_sharing") or 0
             rows.append([name, label, by_seed, f"{stats['mean']:+.3f}", interval, str(stats["n"]),
-                         str(stats["seeds_to_decide"] or "-")])  # fmt: skip
-    header = ["comparison", "measure", "by seed", "mean", "95% interval", "seeds", "seeds that would decide"]
+                         str(stats["seeds_to_decide"] or "-"), str(unlike)])  # fmt: skip
+    header = ["comparison", "measure", "by seed", "mean", "95% interval", "seeds", "seeds that would decide",
+              "pairs left out (sharing)"]  # fmt: skip
     return _table(header, rows) if rows else ["no pair of runs has finished yet"]
 
 
-def wall_clock_table(summary: dict) -> list[str]:
-    lines = []
-    for entry in summary["wall_clock"]:
-        rows = [[r["kind"], str(r["seed"]), _number(r["wall_clock_s"], 1), _number(r["step"], 1),
-                 _number(r["sharing"], 1), "-"] for r in entry["dapo"]]  # fmt: skip
-        rows += [[r["kind"], str(r["seed"]), _number(r["wall_clock_s"], 1), _number(r["step"], 1),
-                  _number(r["sharing"], 1), _number(r["dapo_over_this"], 2)] for r in entry["trl"].values()]  # fmt: skip
-        lines += [f"training wall-clock to held-out {summary['metric']} {entry['level']:.3f} (- : not reached)"]
-        header = ["run", "seed", "seconds", "step", "runs sharing", "DAPO's mean over this"]
-        lines += [*_table(header, rows), ""]
+def level_table(cell: dict) -> list[str]:
+    """Per arm and level: the share of seeds reaching it, the median seconds and step, and each seed's seconds."""
+    rows = []
+    for entry in cell["levels"]:
+        for kind, arm in entry["arms"].items():
+            seconds = ", ".join(f"{seed}: {_number(row['wall_clock_s'], 0)}" for seed, row in arm["by_seed"].items())
+            rows.append([f"{entry['level']:g}", kind, f"{arm['reached']}/{arm['seeds']}",
+                         _number(arm["median_wall_clock_s"], 1), _number(arm["median_step"], 1), seconds])  # fmt: skip
+    header = ["held-out level", "run", "seeds reaching it", "median training s", "median step",
+              "training s by seed (- : not reached)"]  # fmt: skip
+    return _table(header, rows) if rows else []
+
+
+def cell_report(label: str, cell: dict, pick: dict) -> list[str]:
+    lines = [f"## {label} cell: {pick.get('cell')}, cap {pick.get('cap')}, learning rate "
+             f"{pick.get('learning_rate')}, {pick.get('max_steps')} steps, early step {pick.get('early_step')}",
+             f"why: {pick.get('reason')}", f"TRL's faster path here: {cell['trl_path']}", ""]  # fmt: skip
+    for table in (runs_table(cell), comparison_table(cell), level_table(cell)):
+        lines += [*table, ""] if table else []
+    lines.append(f"partial rollouts with kept KV against full DAPO: {cell['partial_rollouts']['verdict']}; "
+                 f"propose as the default: {cell['partial_rollouts']['propose_default']}")  # fmt: skip
+    marks = {True: "met", False: "NOT met", None: "not measured"}
+    lines += ["targets: " + ", ".join(f"{key} {marks[value]}" for key, value in cell["targets"].items()), ""]
     return lines
 
 
 def format_report(config: RealModelConfig, output: Path, summary: dict) -> str:
     pick = read_json(output / "pick.json") or {}
-    name = pick.get("cell") or cell_name(pick.get("family"), pick.get("style"), pick.get("temperature", 1.0))
-    lines = [f"task: {name}, cap {pick.get('cap')}, learning rate {pick.get('learning_rate')}, "
-             f"{pick.get('max_steps')} steps, early step {pick.get('early_step')}", f"why: {pick.get('reason')}", ""]  # fmt: skip
-    for table in (grid_table(config, output), pilot_table(pick), runs_table(summary), comparison_table(summary)):
+    lines = []
+    for table in (grid_table(config, output), pilot_table(pick)):
         lines += [*table, ""] if table else []
-    lines += wall_clock_table(summary)
-    lines.append(f"partial rollouts with kept KV against full DAPO: {summary['partial_rollouts']['verdict']}; "
-                 f"propose as the default: {summary['partial_rollouts']['propose_default']}")  # fmt: skip
-    marks = {True: "met", False: "NOT met", None: "not measured"}
-    lines.append("targets: " + ", ".join(f"{key} {marks[value]}" for key, value in summary["targets"].items()))
+    for cell in CELLS:
+        if cell in summary["cells"]:
+            chosen = picked(pick, cell) or {}
+            if not chosen.get("cell") and chosen.get("family"):  # the first study's pick has no cell name
+                chosen = {**chosen, "cell": cell_name(chosen["family"], chosen["style"], chosen["temperature"])}
+            lines += cell_report(cell, summary["cells"][cell], chosen)
     if summary["skipped"]:
         lines.append(f"skipped: {summary['skipped']} (see their notes)")
     lines.append(f"complete: {summary['complete']}" + (f"; left: {summary['left']}" if summary["left"] else ""))

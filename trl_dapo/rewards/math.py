@@ -2,13 +2,16 @@
 
 As the reference recipe: only the last 300 characters are searched, and the last `Answer:` match counts. Equality is
 an exact match of normalised strings or math-verify's (symbolic: `1/2` = `\\frac{1}{2}` = `0.5`). A completion that
-cannot be scored gets -1 and is counted, never raised; a missing ground truth (None, empty, NaN or an infinite number:
-what a dataset holds for a missing number) matches nothing.
+cannot be scored gets -1 and is counted, never raised; a missing ground truth (None, empty, NaN or an infinite number,
+or their text: `nan`, `inf`, `-Infinity`: what a dataset holds for a missing number) matches nothing. A completion is
+a string or, from a conversational dataset, a list of message dicts; anything else is a `TypeError` naming it.
 
 Model output is untrusted text, so math-verify's time is bounded, the same in any thread: an answer too costly to
 evaluate (`safe_expression.py`) is string-matched only; any other gets math-verify for at most `ANSWER_TIMEOUT`
-seconds (`equivalence.py`); one call of the reward spends at most `batch_time_limit(n)` seconds in math-verify, and
-the answers left past it are string-matched, with a warning. `math/undecided_ratio` counts the string-matched ones.
+seconds (`equivalence.py`). One call of the reward returns within `batch_time_limit(n)` seconds of math-verify time,
+counted from its start and including its waits for the worker while other threads' calls use it (only the worker's
+first start in a process, importing math-verify once, is not counted); the answers left past it are string-matched,
+with a warning. `math/undecided_ratio` counts the string-matched ones.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ CORRECT, INCORRECT = 1.0, -1.0
 ANSWER_TIMEOUT = 1.0  # seconds of math-verify per completion
 BATCH_SECONDS, BATCH_SECONDS_PER_COMPLETION = 10.0, 0.1  # seconds of math-verify per call of the reward
 _WORKER = EquivalenceWorker()
+# how a missing (NaN) or an infinite number reads as text: a ground truth no answer can match
+MISSING_NUMBER_TEXTS = frozenset(f"{sign}{word}" for sign in ("", "+", "-") for word in ("nan", "inf", "infinity"))
 PROMPT_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
@@ -54,31 +59,45 @@ def normalize(answer: str) -> str:
     return re.sub(r"\s+", "", answer.split("=")[-1])
 
 
-def is_equivalent(answer: str, ground_truth: str, timeout: float = ANSWER_TIMEOUT) -> tuple[bool, bool]:
+def is_equivalent(
+    answer: str, ground_truth: str, timeout: float = ANSWER_TIMEOUT, deadline: float | None = None
+) -> tuple[bool, bool]:
     """(equal, decided): an exact match of normalised strings, else math-verify's equivalence within `timeout`
-    seconds in any thread (`equivalence.py`); `decided` is False when math-verify did not decide (an answer too costly
-    to evaluate, `safe_expression.py`, or out of time), and only the string match counted."""
+    seconds of its time, in any thread, and by `deadline` (`time.monotonic()`) where one is given, the waits for the
+    worker included (`equivalence.py`); `decided` is False when math-verify did not decide (an answer too costly to
+    evaluate, `safe_expression.py`, or out of time), and only the string match counted."""
     if normalize(answer) == normalize(ground_truth):
         return True, True
     if timeout <= 0 or why_costly(answer) is not None:
         return False, False
-    verdict = _WORKER.equivalent(answer, ground_truth, timeout)
+    verdict = _WORKER.equivalent(answer, ground_truth, timeout, deadline)
     return bool(verdict), verdict is not None
 
 
-def _text(completion: Any) -> str:
-    """Plain text of a completion, conversational (`[{"role", "content"}]`) or not."""
-    if isinstance(completion, list):
-        return "".join(str(message.get("content", "")) for message in completion)
-    return str(completion)
+def completion_text(completion: Any, position: int | None = None) -> str:
+    """The text of a completion: a string, or (a conversational dataset's) a list of message dicts, their contents
+    joined; anything else is a `TypeError` naming the completion and the two shapes."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and all(isinstance(message, dict) for message in completion):
+        return "".join(str(message.get("content") or "") for message in completion)
+    named = "a completion" if position is None else f"completion {position}"
+    raise TypeError(
+        f"math reward: {named} is {type(completion).__name__} {completion!r:.80}; a completion is a string (a "
+        "standard dataset) or a list of message dicts (a conversational one, as TRL passes it: "
+        "[{'role': 'assistant', 'content': 'Answer: 5'}] for each completion)."
+    )
 
 
 def is_missing(ground_truth: Any) -> bool:
-    """No ground truth (None, nothing left once normalised, or NaN, an infinite number, or the text `nan`): no answer
-    can match it, `Answer: None` and `Answer: nan` included."""
+    """No ground truth (None, nothing left once normalised, NaN or an infinite number, or their text: `nan`, `inf`,
+    `-Infinity`): no answer can match it, `Answer: None` and `Answer: nan` included."""
     if isinstance(ground_truth, numbers.Real) and not math.isfinite(ground_truth):
         return True
-    return ground_truth is None or normalize(str(ground_truth)).lower() in ("", "nan")
+    if ground_truth is None:
+        return True
+    text = normalize(str(ground_truth)).lower()
+    return not text or text in MISSING_NUMBER_TEXTS
 
 
 class Score(NamedTuple):
@@ -87,15 +106,17 @@ class Score(NamedTuple):
     decided: bool  # math-verify decided (or the strings matched); else only the string match counted
 
 
-def score_answer(completion: Any, ground_truth: str | None, timeout: float = ANSWER_TIMEOUT) -> Score:
+def score_answer(
+    completion: Any, ground_truth: str | None, timeout: float = ANSWER_TIMEOUT, deadline: float | None = None
+) -> Score:
     """+1/-1 (always -1 against a missing ground truth, `is_missing`), with math-verify given at most `timeout`
-    seconds."""
-    answer = extract_answer(_text(completion))
+    seconds, and done by `deadline` (`is_equivalent`)."""
+    answer = extract_answer(completion_text(completion))
     if answer is None:
         return Score(INCORRECT, False, True)
     if is_missing(ground_truth):
         return Score(INCORRECT, True, True)
-    equal, decided = is_equivalent(answer, str(ground_truth), timeout)
+    equal, decided = is_equivalent(answer, str(ground_truth), timeout, deadline)
     return Score(CORRECT if equal else INCORRECT, True, decided)
 
 
@@ -112,18 +133,21 @@ def dapo_math_reward(
 ) -> list[float]:
     """TRL reward function: reads the `answer` column; logs accuracy, the share of completions with no `Answer:` and
     the share whose equivalence math-verify did not decide. Each completion gets math-verify for at most
-    `ANSWER_TIMEOUT` seconds and the call for at most `batch_time_limit` seconds; past that, the string match."""
-    _WORKER.start()  # its start-up (seconds) is spent before the batch's time starts
-    deadline = time.monotonic() + batch_time_limit(len(completions))
+    `ANSWER_TIMEOUT` seconds, and the call returns within `batch_time_limit` seconds of its start, its waits for the
+    worker included (module docstring); past that, the string match."""
+    texts = [completion_text(completion, position) for position, completion in enumerate(completions)]
+    _WORKER.start()  # the worker's first start in this process (seconds, once) is counted against no call
+    deadline = time.monotonic() + batch_time_limit(len(texts))
     scored, late = [], 0
-    for completion, truth in zip(completions, answer, strict=True):
+    for text, truth in zip(texts, answer, strict=True):
         timeout = min(ANSWER_TIMEOUT, deadline - time.monotonic())
-        late += timeout <= 0
-        scored.append(score_answer(completion, truth, timeout))
+        score = score_answer(text, truth, timeout, deadline)
+        late += timeout <= 0 or (not score.decided and time.monotonic() >= deadline)
+        scored.append(score)
     if late:
         logger.warning(
-            "math reward: math-verify's %.0f s for these %d completions ran out; the last %d were string-matched.",
-            batch_time_limit(len(completions)), len(completions), late,
+            "math reward: math-verify's %.1f s for these %d completions (waiting for the worker included) ran out; %d "
+            "were string-matched.", batch_time_limit(len(texts)), len(texts), late,
         )  # fmt: skip
     undecided = sum(not score.decided for score in scored)
     if log_metric is not None:

@@ -2,7 +2,8 @@
 drives the scheduler (admit and prefill waiting rows, decode `sync_every` steps, synchronise, retire, preempt).
 
 The engine (`paged_engine.py`) holds the weights and the per-layer math; a `Generation` holds what lives for one
-`generate` call or one `RolloutStream` and is freed with it.
+`generate` call or one `RolloutStream` and is freed with it. It reads the engine through `EngineView`
+(`engine_view.py`): the engine imports this module, never the other way.
 """
 
 from __future__ import annotations
@@ -11,20 +12,18 @@ import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .engine_view import EngineView
 from .fp8 import LayerCache
 from .kept import KeptCache, KeptRow, choose_pages, page_slots
 from .paged_attention import num_splits, reference_decode_attention, triton_decode_attention
 from .scheduler import Prefix, Scheduler
 from .token_sampling import TokenSampling, sampling_noise
-
-if TYPE_CHECKING:
-    from .paged_engine import PagedRolloutEngine
 
 MIN_SLOT_BUCKET = 8
 # A decode step with fewer than this share of the engine's `max_rows` slots busy is a step of the tail: a few long
@@ -115,7 +114,7 @@ class Generation:
 
     def __init__(
         self,
-        engine: PagedRolloutEngine,
+        engine: EngineView,
         prompt_ids: list[list[int]],
         settings: TokenSampling,
         capacity: int | None = None,

@@ -1,8 +1,8 @@
 """The generation weights a rollout engine decodes with: a snapshot of the training model in the generation dtype.
 
-LoRA deltas are merged (in float32, rounded once), q/k/v and gate/up are concatenated (one matrix product each per
-layer), and later syncs copy into the same tensors, so CUDA graphs captured over them stay valid across optimizer
-steps.
+LoRA deltas are merged (in float32, rounded once: `merged_linear.py`), q/k/v and gate/up are concatenated (one
+matrix product each per layer), and later syncs copy into the same tensors, so CUDA graphs captured over them stay
+valid across optimizer steps.
 """
 
 from __future__ import annotations
@@ -14,30 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..models import base_model
+from .merged_linear import linear_weight
 
 if TYPE_CHECKING:
     from .architectures import DecoderArchitecture
-
-
-def linear_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weight and bias of a linear layer, with active LoRA adapters merged in (PEFT wraps it as `base_layer`).
-
-    The merge is summed in float32 and left for the caller to round once to the generation dtype: casting the delta
-    to a bf16 base weight's dtype before adding it would round twice, and lose more of a small adapter's update."""
-    base = getattr(module, "base_layer", module)
-    weight = base.weight.detach()
-    for adapter in getattr(module, "active_adapters", []) or []:
-        if adapter in getattr(module, "lora_A", {}) and not getattr(module, "merged", False):
-            weight = weight.float() + module.get_delta_weight(adapter).float()
-    bias = base.bias.detach() if getattr(base, "bias", None) is not None else None
-    return weight, bias
-
-
-def cat_linear(modules: list[torch.nn.Module], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weights, biases = zip(*(linear_weight(m) for m in modules), strict=True)
-    weight = torch.cat(weights).to(dtype)
-    bias = None if all(b is None for b in biases) else torch.cat([b for b in biases if b is not None]).to(dtype)
-    return weight, bias
 
 
 def gather_nothing(module: torch.nn.Module) -> AbstractContextManager:

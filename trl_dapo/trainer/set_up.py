@@ -23,8 +23,14 @@ from trl.trainer.utils import get_callable_name, get_config_model_id
 from ..rewards.columns import check_reward_columns
 from ..rewards.overlong import OVERLONG_REWARD_NAME
 from ..text import plural
-from .collection import check_rollout_precision, collection_strategy, unusable_engine, why_settings_rule_out_engine
-from .configuration import DAPOConfig, check_dataset_prompts
+from .collection import (
+    check_rollout_precision,
+    check_vllm_set_up,
+    collection_strategy,
+    unusable_engine,
+    why_settings_rule_out_engine,
+)
+from .configuration import DAPOConfig, check_dataset_prompts, short_repr
 
 
 def reward_function_names(reward_funcs: Any, args: DAPOConfig) -> list[str]:
@@ -43,7 +49,7 @@ def filter_column(metric: str | None, names: Sequence[str]) -> int | None:
         return None
     if metric not in names:
         raise ValueError(
-            f"DAPOConfig.dynamic_sampling_metric={metric!r} names no reward function; use one of {list(names)} or "
+            f"DAPOConfig.dynamic_sampling_metric={short_repr(metric)} names no reward function; use one of {list(names)} or "
             "'reward' for the weighted total."
         )
     if list(names).count(metric) > 1:
@@ -120,12 +126,13 @@ def check_set_up(
     environment_factory: Any = None,
 ) -> None:
     """Everything the config, the reward functions and the datasets decide, checked before any model is loaded;
-    `DAPOTrainer`'s arguments of the same names. Raises a `ValueError` naming the field (or function) and the fix."""
+    `DAPOTrainer`'s arguments of the same names. Raises a `ValueError` naming the field (or function) and the fix;
+    with `use_vllm`, an `ImportError` without vLLM and a `ConnectionError` for a server that does not answer."""
     names = reward_function_names(reward_funcs, args)
     functions = len(_as_list(reward_funcs))
     if args.reward_weights is not None and len(args.reward_weights) != functions:
         raise ValueError(
-            f"DAPOConfig.reward_weights={args.reward_weights} has {len(args.reward_weights)} weights for {functions} "
+            f"DAPOConfig.reward_weights={short_repr(args.reward_weights)} has {len(args.reward_weights)} weights for {functions} "
             f"reward functions ({names[:functions]}): give one weight per reward function (the overlong penalty "
             "weighs 1 and takes none)."
         )
@@ -142,6 +149,7 @@ def check_set_up(
     functions = list(zip(names, _as_list(reward_funcs), strict=False)) if rollout_func is None else []
     check_datasets(args, train_dataset, eval_dataset, args.world_size, environment_factory is not None, functions)
     check_output_dir(args)
+    check_vllm_set_up(args)  # last: it may wait up to vllm_server_timeout for a server
 
 
 def check_output_dir(args: DAPOConfig) -> None:

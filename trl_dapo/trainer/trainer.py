@@ -21,18 +21,18 @@ token-mean, dynamic sampling and padding-free training. It keeps TRL's hooks and
   `_load_optimizer_and_scheduler`: the buffer's surplus, every rank's carried groups (partial rollouts), the prompt
   stream's position and the skipped-step counts; inside a generation batch, each rank's micro-batches still to train;
   written before the Trainer's files, then a manifest of every file, all synced, and only then are older checkpoints
-  deleted (`checkpoint_files.py`, `checkpoint_manifest.py`); resumed weights checked finite.
+  deleted (`checkpoint_files.py`, `checkpoint_manifest.py`); resumed weights checked finite. `_load_from_checkpoint`,
+  `_issue_warnings_after_load`: weights that cannot be read or lack a tensor (a tied one is no loss) an error naming
+  the file; the Trainer's other files read first, what they lack an error, a file absent a warning
+  (`resume_checks.py`).
 - `_run_epoch`: nothing for a run resumed at or past `max_steps`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
 import os
 import shutil
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -61,21 +61,29 @@ from .configuration import (
     check_batch_prompts,
     check_prompt_ids,
     prompt_token_limit,
+    quiet_trl_checkpointing_calls,
     warn_if_cpu_bf16_is_emulated,
 )
 from .safety import (
     SAMPLING_STATE_FILE,
     EpochOrder,
     FiniteSteps,
+    MissingTensors,
+    check_trainer_files,
     checkpoint_to_resume,
     full_disk_named,
-    load_checkpoint_file,
+    load_carried,
     load_generation_batch,
+    older_checkpoints_kept,
+    read_sampling_state,
     resume_files,
     sampling_state_path,
     save_checkpoint_file,
     save_generation_batch,
     set_resumed_epoch,
+    trainer_files,
+    untied_missing_keys,
+    weights_named,
     write_manifest,
 )
 from .set_up import check_set_up, filter_column
@@ -116,6 +124,7 @@ class DAPOTrainer(GRPOTrainer):
             kwargs["reward_processing_classes"] = list(kwargs["reward_processing_classes"])
         set_up = ("train_dataset", "eval_dataset", "tools", "rollout_func", "environment_factory")
         check_set_up(args, reward_funcs, **{name: kwargs.get(name) for name in set_up})  # before any model loads
+        quiet_trl_checkpointing_calls()  # TRL calls transformers' deprecated checkpointing aliases
         built_by_trainer = isinstance(model, str)
         model, args = self._load_gguf(model, args, kwargs)
         super().__init__(model, reward_funcs, args, **kwargs)
@@ -358,24 +367,12 @@ class DAPOTrainer(GRPOTrainer):
         if position := self._step % self._generate_every():  # inside a generation batch
             save_generation_batch(folder, self.accelerator, position, self._buffered_inputs)
         self._save_sampling_state(folder)
-        with full_disk_named(folder), self._older_checkpoints_kept():
+        with full_disk_named(folder), older_checkpoints_kept(self):
             super()._save_checkpoint(model, trial)
         self.accelerator.wait_for_everyone()  # every rank's files are written before the manifest lists them
         if self.args.should_save:
             write_manifest(folder)
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
-
-    @contextlib.contextmanager
-    def _older_checkpoints_kept(self) -> Iterator[None]:
-        """The Trainer's save ends deleting older checkpoints (`save_total_limit`): while it runs, the trainer's own
-        `args` (a copy of the caller's) are swapped for a copy without the limit, so they go only after the manifest."""
-        args = self.args
-        self.args = copy.copy(args)
-        self.args.save_total_limit = None
-        try:
-            yield
-        finally:
-            self.args = args
 
     def _save_sampling_state(self, folder: str) -> None:
         """The buffer's surplus, every rank's carried groups, the prompt stream's position and the skipped-step counts
@@ -394,26 +391,36 @@ class DAPOTrainer(GRPOTrainer):
             os.makedirs(folder, exist_ok=True)
             save_checkpoint_file(state, os.path.join(folder, SAMPLING_STATE_FILE))
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """The Trainer's; weights it cannot read, or lacking a tensor, are an error naming the file."""
+        with weights_named(resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        """The Trainer's, but a tied tensor (stored once) is not missing, and a missing one is an error."""
+        missing = untied_missing_keys(self.model, load_result.missing_keys)
+        if set(missing) - set(getattr(self.model, "_keys_to_ignore_on_save", None) or ()):  # the Trainer ties these
+            raise MissingTensors(missing)
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+
     def _load_optimizer_and_scheduler(self, checkpoint):
         path = sampling_state_path(checkpoint, self.args.dynamic_sampling or self.args.partial_rollouts)
+        if checkpoint:  # the Trainer's files read first: what cannot be used is an error, what is absent a warning
+            sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
+            files = trainer_files(sharded, self.lr_scheduler, self.args.world_size)
+            if (fresh := check_trainer_files(checkpoint, files)) and self.accelerator.is_main_process:
+                logger.warning(fresh)
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint:
             self._check_resumed(checkpoint)
         if path and os.path.exists(path):
-            state = load_checkpoint_file(
-                path,
-                checkpoint,
-                "Resume from an earlier checkpoint of this run, or start a new run from this checkpoint's weights "
-                "(model=<the checkpoint folder>); with dynamic_sampling=False and partial_rollouts=False, delete the "
-                "file and resume (it holds the dynamic-sampling surplus, the carried groups of partial rollouts, the "
-                "extra-prompt stream's position and dapo/skipped_steps).",
-            )
-            self.sampling_buffer.load_state_dict(state["buffer"], self.accelerator.device)
-            if self.prompt_stream is not None and state["prompt_stream"] is not None:
-                self.prompt_stream.load_state_dict(state["prompt_stream"])
-            self.passes.skipped_steps = state["skipped_steps"]
-            self.finite_steps.skipped_steps = state.get("nonfinite_steps", 0)  # absent from earlier checkpoints
-            self._load_carried(state.get("carried"), checkpoint)
+            with read_sampling_state(path, checkpoint) as state:
+                self.sampling_buffer.load_state_dict(state["buffer"], self.accelerator.device)
+                if self.prompt_stream is not None and state["prompt_stream"] is not None:
+                    self.prompt_stream.load_state_dict(state["prompt_stream"])
+                self.passes.skipped_steps = state["skipped_steps"]
+                self.finite_steps.skipped_steps = state.get("nonfinite_steps", 0)  # absent from earlier checkpoints
+                load_carried(self.collector.carried, state.get("carried"), checkpoint, self.accelerator)
         inside_batch = self.state.global_step * self.args.gradient_accumulation_steps % self._generate_every() != 0
         saved = load_generation_batch(checkpoint, self.accelerator, inside_batch) if checkpoint else None
         if saved is not None:  # train the rest of the saved generation batch before the next is generated
@@ -431,18 +438,3 @@ class DAPOTrainer(GRPOTrainer):
                 self.state.global_step,
                 self.state.max_steps,
             )
-
-    def _load_carried(self, every_rank: list[dict] | None, checkpoint: str) -> None:
-        """Each rank's carried groups back from the checkpoint (dealt anew on another number of ranks); a checkpoint
-        saved without partial rollouts has none, which a resumed run with them starts from, as the log says."""
-        carried = self.collector.carried
-        if carried is None:
-            return
-        if every_rank is None:
-            logger.warning(
-                "resume_from_checkpoint=%r was saved without partial rollouts: no groups are carried into the first "
-                "generation batch after it.",
-                checkpoint,
-            )
-            return
-        carried.load_state_dict(every_rank, self.accelerator.process_index, self.accelerator.num_processes)

@@ -48,7 +48,7 @@ class DecoderArchitecture(ABC):
         `qkv_bias` when the model has one, `o_weight`, `gate_up_weight` (the MLP's input projections, read by `mlp`;
         the benchmarks time it), `down_weight`, and any name this architecture's own methods read. Called inside the
         layer's gather (`weights.py`): the tensors may share its gathered storage. LoRA adapters are merged
-        (`weights.linear_weight`)."""
+        (`merged_linear.linear_weight`)."""
 
     @abstractmethod
     def qk_norm(self, layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from ...models import sliding_window
 from ..fp8 import linear
-from ..weights import cat_linear, linear_weight
+from ..merged_linear import cat_linear, linear_weight
 from .base import DecoderArchitecture
 
 

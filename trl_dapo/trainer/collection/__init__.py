@@ -18,7 +18,7 @@ from .round import TRLRounds, round_scores
 from .scoring import FilterMetric, GroupScorer
 from .strategy import collection_strategy
 from .streamed import StreamedGroups
-from .vllm_path import check_vllm_server_logprobs
+from .vllm_path import check_vllm_server_logprobs, check_vllm_set_up
 
 __all__ = [
     "CandidateRounds",
@@ -35,6 +35,7 @@ __all__ = [
     "TRLRounds",
     "check_rollout_precision",
     "check_vllm_server_logprobs",
+    "check_vllm_set_up",
     "collection_strategy",
     "round_scores",
     "select_rollout_engine",

@@ -1,5 +1,7 @@
 """The values DAPO's choice fields take, and which settings work together: stream mode, partial rollouts, the old
-policy and its rollout correction, FP8 rollouts, and the `GRPOConfig` fields dynamic sampling constrains.
+policy and its rollout correction, FP8 rollouts, and the `GRPOConfig` fields dynamic sampling constrains. The values
+are tables (`FIELD_CHOICES`, `WORDS_OR_NUMBER`, `WITH_DYNAMIC_SAMPLING`), which the reference page reads too
+(`reference.py`).
 
 `DAPOConfig` runs `check_choices` once every field's type and range hold (`field_rules.py`), before TRL's own checks.
 Two fields are settled on the way: `dynamic_sampling_oversample` to its canonical string, and `partial_rollouts` to
@@ -11,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .field_rules import invalid_value
+from .field_rules import Rule, invalid_value
 
 ON_LIMIT_CHOICES = ("raise", "train_on_partial")
 ROLLOUT_ENGINES = ("auto", "paged", "trl")
@@ -22,6 +24,34 @@ IN_FLIGHT_CHOICES = ("finish", "drop", "carry")
 CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 DEFAULT_CORRECTION_MAX = 2.0
 DEFAULT_MAX_IN_FLIGHT = 3.0
+# The values each choice field takes, checked before any combination (the reference page's allowed values too).
+FIELD_CHOICES: dict[str, tuple[object, ...]] = {
+    "dynamic_sampling_on_limit": ON_LIMIT_CHOICES,
+    "dynamic_sampling_mode": SAMPLING_MODES,
+    "dynamic_sampling_in_flight": IN_FLIGHT_CHOICES,
+    "rollout_engine": ROLLOUT_ENGINES,
+    "old_logprobs": OLD_LOGPROBS_CHOICES,
+    "rollout_correction": (*CORRECTION_MODES, None),
+    "rollout_kv_cache_dtype": ROLLOUT_PRECISIONS,
+    "rollout_weights_dtype": ROLLOUT_PRECISIONS,
+}
+# A field that takes these words or a number its rule holds, kept a string for argument parsers.
+WORDS_OR_NUMBER: dict[str, tuple[tuple[str, ...], Rule]] = {
+    "dynamic_sampling_oversample": (("auto",), Rule(float, low=1, hint="e.g. '1.0'")),
+}
+# `GRPOConfig` fields that dynamic sampling narrows to these values, and why.
+WITH_DYNAMIC_SAMPLING: dict[str, tuple[tuple[object, ...], str]] = {
+    "scale_rewards": (
+        ("group", "none", True, False),
+        "with dynamic sampling the advantage of a kept group must not depend on dropped groups; use 'group'.",
+    ),
+    "multi_objective_aggregation": (
+        ("sum_then_normalize",),
+        "it whitens the summed rewards over the whole candidate round, groups that dynamic sampling drops included, "
+        "so a kept group's advantage would depend on them; use 'sum_then_normalize' (the reference recipe's) or "
+        "dynamic_sampling=False.",
+    ),
+}
 
 
 def check_choices(config: Any) -> None:
@@ -33,27 +63,15 @@ def check_choices(config: Any) -> None:
             config.epsilon_high,
             f"Clip-Higher needs epsilon_high >= epsilon ({config.epsilon}); DAPO uses 0.28 with 0.2.",
         )
-    if config.dynamic_sampling_on_limit not in ON_LIMIT_CHOICES:
-        raise invalid_value(
-            "dynamic_sampling_on_limit", config.dynamic_sampling_on_limit, f"use one of {ON_LIMIT_CHOICES}."
-        )
-    if config.dynamic_sampling and config.scale_rewards not in ("group", "none", True, False):
-        raise invalid_value(
-            "scale_rewards",
-            config.scale_rewards,
-            "with dynamic sampling the advantage of a kept group must not depend on dropped groups; use 'group'.",
-        )
-    if config.dynamic_sampling and config.multi_objective_aggregation != "sum_then_normalize":
-        raise invalid_value(
-            "multi_objective_aggregation",
-            config.multi_objective_aggregation,
-            "it whitens the summed rewards over the whole candidate round, groups that dynamic sampling drops "
-            "included, so a kept group's advantage would depend on them; use 'sum_then_normalize' (the "
-            "reference recipe's) or dynamic_sampling=False.",
-        )
-    config.dynamic_sampling_oversample = _parse_oversample(config.dynamic_sampling_oversample)
-    if config.rollout_engine not in ROLLOUT_ENGINES:
-        raise invalid_value("rollout_engine", config.rollout_engine, f"use one of {ROLLOUT_ENGINES}.")
+    for name, choices in FIELD_CHOICES.items():
+        value = getattr(config, name)
+        if value not in choices:
+            raise invalid_value(name, value, f"use {choices_text(choices)}.")
+    for name, (choices, why) in WITH_DYNAMIC_SAMPLING.items():
+        if config.dynamic_sampling and getattr(config, name) not in choices:
+            raise invalid_value(name, getattr(config, name), why)
+    for name in WORDS_OR_NUMBER:
+        setattr(config, name, _parse_words_or_number(name, getattr(config, name)))
     _check_sampling_mode(config)
     _check_partial_rollouts(config)
     _check_old_policy(config)
@@ -68,12 +86,6 @@ def check_choices(config: Any) -> None:
 
 def _check_sampling_mode(config: Any) -> None:
     """Stream mode and its settings; a stream setting without stream mode would be ignored."""
-    if config.dynamic_sampling_mode not in SAMPLING_MODES:
-        raise invalid_value("dynamic_sampling_mode", config.dynamic_sampling_mode, f"use one of {SAMPLING_MODES}.")
-    if config.dynamic_sampling_in_flight not in IN_FLIGHT_CHOICES:
-        raise invalid_value(
-            "dynamic_sampling_in_flight", config.dynamic_sampling_in_flight, f"use one of {IN_FLIGHT_CHOICES}."
-        )
     if config.dynamic_sampling_mode == "rounds":
         if config.dynamic_sampling_in_flight == "carry":
             raise invalid_value(
@@ -156,9 +168,7 @@ def _check_paged_engine(config: Any, name: str, value: object, otherwise: str) -
 
 
 def _check_old_policy(config: Any) -> None:
-    """The old-policy choice and its rollout correction; a threshold without a correction would be ignored."""
-    if config.old_logprobs not in OLD_LOGPROBS_CHOICES:
-        raise invalid_value("old_logprobs", config.old_logprobs, f"use one of {OLD_LOGPROBS_CHOICES}.")
+    """The rollout correction; a threshold without a correction would be ignored."""
     if config.rollout_correction is None:
         if config.rollout_correction_max != DEFAULT_CORRECTION_MAX or config.rollout_correction_min is not None:
             name = "rollout_correction_max" if config.rollout_correction_min is None else "rollout_correction_min"
@@ -168,8 +178,6 @@ def _check_old_policy(config: Any) -> None:
                 "it only acts with a rollout_correction: set one (e.g. 'token_truncate') or leave it at its default.",
             )
         return
-    if config.rollout_correction not in CORRECTION_MODES:
-        raise invalid_value("rollout_correction", config.rollout_correction, f"use one of {CORRECTION_MODES} or None.")
     if config.old_logprobs != "recompute":
         raise invalid_value(
             "rollout_correction",
@@ -184,8 +192,6 @@ def _check_rollout_precision(config: Any) -> None:
     training model's by its rounding) with a recomputed old policy and a rollout correction."""
     for name in ("rollout_kv_cache_dtype", "rollout_weights_dtype"):
         value = getattr(config, name)
-        if value not in ROLLOUT_PRECISIONS:
-            raise invalid_value(name, value, f"use one of {ROLLOUT_PRECISIONS}.")
         if value != "fp8":
             continue
         _check_paged_engine(config, name, value, f"{name}='bf16'")
@@ -200,14 +206,28 @@ def _check_rollout_precision(config: Any) -> None:
             )
 
 
-def _parse_oversample(value: str | float) -> str:
-    """Keep the field a string for argument parsers, but check it names 'auto' or a finite number >= 1."""
-    if str(value).strip().lower() == "auto":
-        return "auto"
+def choices_text(choices: tuple[object, ...]) -> str:
+    """`one of ('a', 'b')`, with `or None` after them where None is one."""
+    named = tuple(choice for choice in choices if choice is not None)
+    return f"one of {named}" + (" or None" if None in choices else "")
+
+
+def words_or_number_text(name: str) -> str:
+    """What a `WORDS_OR_NUMBER` field takes: `'auto' or a finite number >= 1`."""
+    words, rule = WORDS_OR_NUMBER[name]
+    return " or ".join([*map(repr, words), rule.expected_range()])
+
+
+def _parse_words_or_number(name: str, value: str | float) -> str:
+    """Keep the field a string for argument parsers, but check it names one of its words or a number in range."""
+    words, rule = WORDS_OR_NUMBER[name]
+    if str(value).strip().lower() in words:
+        return str(value).strip().lower()
     try:
         number = float(value)
     except (TypeError, ValueError):
         number = math.nan
-    if not 1.0 <= number < math.inf:
-        raise invalid_value("dynamic_sampling_oversample", value, "use 'auto' or a finite number >= 1, e.g. '1.0'.")
+    if not rule.holds(number):
+        hint = f" ({rule.hint})" if rule.hint else ""
+        raise invalid_value(name, value, f"use {words_or_number_text(name)}{hint}.")
     return str(number)

@@ -9,6 +9,7 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 from trl import GRPOConfig
 
 from .batch_sizes import GenerationBatchCheck, check_batch_unchanged, check_steps_per_generation, check_whole_groups
+from .checkpointing import hand_on_checkpointing
 from .choices import (
     DEFAULT_CORRECTION_MAX,
     DEFAULT_MAX_IN_FLIGHT,
@@ -20,7 +21,7 @@ from .choices import (
     SAMPLING_MODES,
     check_choices,
 )
-from .field_rules import check_field_rules, invalid_value
+from .field_rules import check_field_rules, check_generation_kwargs, check_numeric_fields, invalid_value
 from .grpo_fields import reject_unhonoured_settings
 
 
@@ -58,7 +59,7 @@ class DAPOConfig(GRPOConfig, GenerationBatchCheck):
             Completions per device and evaluation batch, for the same reason.
         mask_truncated_completions (`bool`, *optional*, defaults to `False`):
             Overlong filtering: truncated completions get no loss. Off, as in the paper's best run, which uses the
-            soft overlong punishment below instead.
+            soft overlong punishment (`overlong_buffer_len`) instead.
         vllm_importance_sampling_correction (`bool`, *optional*, defaults to `False`):
             With vLLM, its sampled logprobs are used directly as the old policy, so TRL's extra correction factor
             is off. `old_logprobs="recompute"` with `rollout_correction` is the same correction for every generation
@@ -346,6 +347,7 @@ class DAPOConfig(GRPOConfig, GenerationBatchCheck):
             # TRL turns bf16 on by default, and TrainingArguments then refuses to start where bf16 cannot run (a
             # machine without a bf16 GPU, unless use_cpu=True): turn it on only where it can run.
             self.bf16 = self.use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available()
+        hand_on_checkpointing(self)  # TRL sets gradient_checkpointing, which transformers 5.25 renamed
         super().__post_init__()
         self._check_and_derive_after_trl()
 
@@ -373,13 +375,16 @@ class DAPOConfig(GRPOConfig, GenerationBatchCheck):
         """What is checked before TRL's and transformers' own `__post_init__` compares any value."""
         check_field_rules(self)  # types and ranges first: every later check, TRL's included, compares values
         reject_unhonoured_settings(self)
+        check_numeric_fields(self)  # every other number: the Trainer's and TRL's (save_steps...), finite
         if self.epsilon_high is None:
             self._derive("epsilon_high", self.epsilon)
         check_choices(self)  # `choices.py`
 
     def _check_and_derive_after_trl(self) -> None:
-        """What needs TRL's derived batch fields (`steps_per_generation`)."""
+        """What needs TRL's derived batch fields (`steps_per_generation`) or the dicts its `__post_init__` reads from
+        JSON strings (`generation_kwargs`)."""
         check_steps_per_generation(self)
+        check_generation_kwargs(self)
         if self.max_surplus_age is None:
             age = self.steps_per_generation // self.gradient_accumulation_steps * self.num_iterations
             self._derive("max_surplus_age", age)

@@ -1,22 +1,42 @@
 """The type and range of every number and switch `DAPOConfig` reads: DAPO's own fields, the `GRPOConfig` fields
-DAPOTrainer honours (`grpo_fields.py`) and the `TrainingArguments` numbers of its batches, optimizer and schedule.
+DAPOTrainer honours (`grpo_fields.py`) and the `TrainingArguments` numbers of its batches, optimizer, schedule,
+logging and saving; every other field typed as a number (the Trainer's, TRL's, any a later version adds) is held to its
+type and, as a number, to being finite.
 
 One table, checked before any other code (DAPO's checks, TRL's, transformers') compares a value: a string from a
 notebook widget or an environment variable is a `TypeError` naming the field and the type it needs, not
-`'<' not supported between instances of 'str' and 'int'`; NaN, which passes every `<` / `>=` range check, and a zero
-batch size, which passes the whole-groups check, are a `ValueError` naming the field before any model loads.
+`'<' not supported between instances of 'str' and 'int'`; NaN, which passes every `<` / `>=` range check (a NaN
+`save_steps` saved nothing, a NaN `logging_steps` logged nothing), and a zero batch size, which passes the
+whole-groups check, are a `ValueError` naming the field before any model loads. Errors show a shortened repr of the
+value: a value read from a file can be large.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import numbers
+import reprlib
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
 
+MAX_REPR = 160  # characters of a value an error message shows
+_REPR = reprlib.Repr()  # its limits are attributes (keyword arguments from Python 3.12 only)
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 80, 80, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxdict = 5
 
-def invalid_value(name: str, value: object, fix: str) -> ValueError:
-    return ValueError(f"DAPOConfig.{name}={value!r} is invalid: {fix}")
+
+def short_repr(value: object) -> str:
+    """`repr(value)`, elided past a few items, levels and `MAX_REPR` characters, computed without the full repr."""
+    text = _REPR.repr(value)
+    return text if len(text) <= MAX_REPR else text[: MAX_REPR - 3] + "..."
+
+
+def invalid_value(name: str, value: object, fix: str, owner: str = "DAPOConfig") -> ValueError:
+    return ValueError(f"{owner}.{name}={short_repr(value)} is invalid: {fix}")
 
 
 @dataclass(frozen=True)
@@ -31,13 +51,17 @@ class Rule:
     high_open: bool = False
     optional: bool = False
     hint: str = ""
+    also: tuple[int, ...] = ()  # values allowed outside the range (max_steps=-1: train by epochs)
 
     def expected_type(self) -> str:
         names = {bool: "a bool (True or False)", int: "an int", float: "a number", list: "a list of numbers"}
         return names[self.kind] + (" or None" if self.optional else "")
 
     def expected_range(self) -> str:
-        none = " or None" if self.optional else ""
+        """The values the field takes, in words (a switch's or a list's: its type)."""
+        if self.kind in (bool, list):
+            return self.expected_type()
+        none = "".join(f" or {value}" for value in self.also) + (" or None" if self.optional else "")
         if self.kind is int:
             if self.low == 1:
                 return f"a positive integer{none}"
@@ -53,9 +77,18 @@ class Rule:
         return f"a finite number{bounds}{none}"
 
     def holds(self, value: float) -> bool:
+        if value in self.also:
+            return True
         above = self.low is None or (value > self.low if self.low_open else value >= self.low)
         below = self.high is None or (value < self.high if self.high_open else value <= self.high)
-        return math.isfinite(value) and above and below
+        return _finite(value) and above and below
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range
+        return False
 
 
 def _count(low: int, optional: bool = False, hint: str = "") -> Rule:
@@ -67,13 +100,20 @@ def _number(low: float | None = None, high: float | None = None, **kwargs: Any) 
 
 
 _SWITCH, _OPTIONAL_SWITCH = Rule(bool), Rule(bool, optional=True)
+_STEPS = "a number of optimizer steps, or below 1 a share of the run's steps"
 
 FIELD_RULES: dict[str, Rule] = {
-    # TrainingArguments: batches, optimizer, schedule
+    # TrainingArguments: batches, optimizer, schedule, logging, saving
     "per_device_train_batch_size": _count(1),
     "per_device_eval_batch_size": _count(1),
     "gradient_accumulation_steps": _count(1),
-    "max_steps": Rule(int, hint="-1 trains num_train_epochs"),
+    "max_steps": Rule(
+        int,
+        low=1,
+        also=(-1,),
+        hint="a number of optimizer steps; -1, the default, trains num_train_epochs epochs instead, as transformers "
+        "would read any value <= 0",
+    ),
     "seed": Rule(int),
     "num_train_epochs": _number(0),
     "learning_rate": _number(0),
@@ -83,6 +123,10 @@ FIELD_RULES: dict[str, Rule] = {
     "adam_epsilon": _number(0, low_open=True),
     "max_grad_norm": _number(0, hint="0 turns clipping off"),
     "warmup_steps": _number(0, hint="a number of steps, or below 1 a share of them"),
+    "logging_steps": _number(0, low_open=True, hint=_STEPS),
+    "save_steps": _number(0, low_open=True, hint=_STEPS),
+    "eval_steps": _number(0, low_open=True, optional=True, hint=_STEPS + "; None takes logging_steps"),
+    "eval_delay": _number(0, hint="a number of steps or epochs, as eval_strategy counts"),
     "bf16": _OPTIONAL_SWITCH,
     # GRPOConfig fields DAPOTrainer honours
     "num_generations": _count(2, hint="group advantages need at least 2 samples per prompt"),
@@ -179,29 +223,94 @@ def _as_kind(text: str, kind: type) -> object | None:
         return None
 
 
-def wrong_type(name: str, value: object, rule: Rule) -> TypeError:
+def wrong_type(name: str, value: object, rule: Rule, owner: str = "DAPOConfig") -> TypeError:
     meant = _as_kind(value, rule.kind) if isinstance(value, str) else None
     if rule.kind is int and isinstance(value, float) and value.is_integer():
         meant = int(value)  # 2.0 from arithmetic or a YAML file: the count it was meant to be
-    fix = f": pass {name}={meant!r}" if meant is not None else ""
+    fix = f": pass {name}={short_repr(meant)}" if meant is not None else ""
     from_text = meant is not None and isinstance(value, str)
     source = " (a widget, an environment variable or a file gives strings: convert them)" if from_text else ""
     return TypeError(
-        f"DAPOConfig.{name}={value!r} is a {type(value).__name__}, not {rule.expected_type()}{fix}{source}."
+        f"{owner}.{name}={short_repr(value)} is a {type(value).__name__}, not {rule.expected_type()}{fix}{source}."
     )
 
 
-def check_field_rules(config: object) -> None:
-    """Each field of `FIELD_RULES` has its type and range, else an error naming it, its value and what it takes."""
-    for name, rule in FIELD_RULES.items():
-        value = getattr(config, name)
+def check_rules(target: object, rules: dict[str, Rule], owner: str = "DAPOConfig") -> None:
+    """Each field of `rules` has its type and range, else an error naming `owner`, the field, its value and what it
+    takes. An int where a number is asked is stored as a float: transformers' sampling refuses an int temperature
+    or repetition penalty, at the first generation."""
+    for name, rule in rules.items():
+        value = getattr(target, name)
         if value is None and rule.optional:
             continue
         if not _is_kind(value, rule.kind):
-            raise wrong_type(name, value, rule)
+            raise wrong_type(name, value, rule, owner)
         hint = f" ({rule.hint})" if rule.hint else ""
         if rule.kind is list:
-            if not all(_is_kind(item, float) and math.isfinite(item) for item in value):
-                raise invalid_value(name, value, f"every weight must be a finite number{hint}.")
+            if not all(_is_kind(item, float) and _finite(item) for item in value):
+                raise invalid_value(name, value, f"every weight must be a finite number{hint}.", owner)
         elif rule.kind is not bool and not rule.holds(value):
-            raise invalid_value(name, value, f"use {rule.expected_range()}{hint}.")
+            raise invalid_value(name, value, f"use {rule.expected_range()}{hint}.", owner)
+        if rule.kind is float and not isinstance(value, float):
+            setattr(target, name, float(value))
+
+
+def check_field_rules(config: object) -> None:
+    """The fields of `FIELD_RULES`, in `check_rules`'s way."""
+    check_rules(config, FIELD_RULES)
+
+
+def _union_members(annotation: object) -> set[object]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return set(typing.get_args(annotation))
+    return {annotation}
+
+
+@functools.cache
+def numeric_field_rules(config_class: type) -> dict[str, Rule]:
+    """A rule for each field of `config_class` typed as a number (int or float, or None) that `FIELD_RULES` does not
+    name: the Trainer's (`save_total_limit`, `label_smoothing_factor`...), TRL's and any field a later version adds
+    keep their type and, as numbers, are finite."""
+    try:
+        hints = typing.get_type_hints(config_class)
+    except (NameError, TypeError):  # a subclass's annotation names what only type checkers import: read each alone
+        hints = {}
+    rules = {}
+    for field in dataclasses.fields(config_class):
+        members = _union_members(hints.get(field.name, field.type))
+        kinds = members - {type(None)}
+        if field.name not in FIELD_RULES and kinds and kinds <= {int, float}:
+            rules[field.name] = Rule(float if float in kinds else int, optional=type(None) in members)
+    return rules
+
+
+def check_numeric_fields(config: object) -> None:
+    """Every field typed as a number that `FIELD_RULES` does not name: its type, and finite."""
+    check_rules(config, numeric_field_rules(type(config)))
+
+
+# `generation_kwargs` keys that stand in for a checked field: TRL merges them over its own generation settings and the
+# paged engine reads them (`collection/engine_choice.py`), so a value there skips the field's check unless held to it.
+GENERATION_KWARGS_RULES: dict[str, Rule] = {
+    "temperature": FIELD_RULES["temperature"],
+    "top_p": FIELD_RULES["top_p"],
+    "top_k": FIELD_RULES["top_k"],
+    "min_p": FIELD_RULES["min_p"],
+    "repetition_penalty": FIELD_RULES["repetition_penalty"],
+    "max_new_tokens": FIELD_RULES["max_completion_length"],
+    "min_new_tokens": _count(0),
+}
+
+
+def check_generation_kwargs(config: Any) -> None:
+    """`generation_kwargs` (a dict once TRL's `__post_init__` has read a JSON string) holds the sampling settings it
+    overrides to the rules of the fields they stand in for: `{"temperature": 0}` failed at the first generation."""
+    kwargs = config.generation_kwargs
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise invalid_value("generation_kwargs", kwargs, "use a dict of generate() arguments, or None.")
+    present = {name: rule for name, rule in GENERATION_KWARGS_RULES.items() if name in kwargs}
+    values = types.SimpleNamespace(**{name: kwargs[name] for name in present})
+    check_rules(values, present, owner="DAPOConfig.generation_kwargs")
+    kwargs.update(vars(values))  # ints stored as floats, as for the fields

@@ -122,7 +122,13 @@ def grpo_only_fields() -> list[str]:
     return [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in inherited]
 
 
-def _default(field: dataclasses.Field) -> Any:
+def unhonoured_fields() -> list[str]:
+    """The fields `GRPOConfig` adds that DAPOTrainer does not honour: each must keep its default."""
+    return [name for name in grpo_only_fields() if name not in HONOURED_FIELDS]
+
+
+def field_default(field: dataclasses.Field) -> Any:
+    """A dataclass field's default, its factory's value where it has one."""
     if field.default is not dataclasses.MISSING:
         return field.default
     if field.default_factory is not dataclasses.MISSING:
@@ -136,11 +142,11 @@ def unhonoured_settings(config: GRPOConfig) -> list[tuple[str, Any, Any, str]]:
     The default is the config class's own: GRPOConfig's, or DAPOConfig's where DAPO sets a field to the value under
     which it has no effect (e.g. `vllm_importance_sampling_correction=False`).
     """
-    defaults = {f.name: _default(f) for f in dataclasses.fields(config)}
+    defaults = {f.name: field_default(f) for f in dataclasses.fields(config)}
     return [
         (name, getattr(config, name), defaults[name], REASONS.get(name, GENERIC_REASON))
-        for name in grpo_only_fields()
-        if name not in HONOURED_FIELDS and getattr(config, name) != defaults[name]
+        for name in unhonoured_fields()
+        if getattr(config, name) != defaults[name]
     ]
 
 

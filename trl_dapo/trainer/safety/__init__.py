@@ -6,8 +6,10 @@ the trainer's side imports it."""
 from .checkpoint_files import (
     SAMPLING_STATE_FILE,
     checkpoint_to_resume,
-    load_checkpoint_file,
+    load_carried,
     load_generation_batch,
+    older_checkpoints_kept,
+    read_sampling_state,
     resume_files,
     sampling_state_path,
     save_checkpoint_file,
@@ -16,19 +18,27 @@ from .checkpoint_files import (
 from .checkpoint_manifest import full_disk_named, write_manifest
 from .epoch_order import EpochOrder, set_resumed_epoch
 from .finite_steps import FiniteSteps
+from .resume_checks import MissingTensors, check_trainer_files, trainer_files, untied_missing_keys, weights_named
 
 __all__ = [
     "SAMPLING_STATE_FILE",
     "EpochOrder",
     "FiniteSteps",
+    "MissingTensors",
+    "check_trainer_files",
     "checkpoint_to_resume",
     "full_disk_named",
-    "load_checkpoint_file",
+    "load_carried",
     "load_generation_batch",
+    "older_checkpoints_kept",
+    "read_sampling_state",
     "resume_files",
     "sampling_state_path",
     "save_checkpoint_file",
     "save_generation_batch",
     "set_resumed_epoch",
+    "trainer_files",
+    "untied_missing_keys",
+    "weights_named",
     "write_manifest",
 ]

@@ -6,25 +6,35 @@ position, the skipped-step counts and that its save writes a manifest. A checkpo
 (`steps_per_generation` larger than `gradient_accumulation_steps`, a save step inside it) also holds, per process,
 the micro-batches that process has yet to train: resumed, the run trains them before it generates the next batch,
 as the run that saved them would have.
-Every file is read with `weights_only=True`; one that cannot be read is an error naming it, never a suggestion to
-load it unsafely.
+Every file is read with `weights_only=True`; one that cannot be read, or lacks a field, is an error naming it, never a
+suggestion to load it unsafely (`resume_checks.py`).
 
 A save can be killed half-way, or the power lost. DAPO's files are written first, each under a temporary name renamed
 once written whole and synced; then the Trainer's; then the manifest of every file (`checkpoint_manifest.py`), the
 files and folder synced before it; only then are older checkpoints deleted (`save_total_limit`). So a checkpoint is
 complete when its files match its manifest, and an older one is never deleted before a newer one is complete. A
 checkpoint saved before manifests existed (an earlier trl-dapo, or TRL's Trainer) is checked by name: a
-`trainer_state.json` holding a Trainer state and the files a resume reads; one whose sampling state says its save
-writes a manifest, found without it, was interrupted.
+`trainer_state.json` holding a Trainer state (a `global_step` of 0 or more) and the files a resume reads; one whose
+sampling state says its save writes a manifest, found without it, was interrupted.
+
+`resume_from_checkpoint=True` passes over incomplete checkpoints for the newest complete one, whose steps the run then
+trains and saves again. It never passes over one it cannot judge or would lose: a damaged manifest (written whole or
+not at all, so damaged after the save) stops the run, naming the checkpoint and how to repair or move it, and so does
+a checkpoint saved whole but changed since when no complete one is left: training from step 0 would delete it
+(`save_total_limit`) or overwrite it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import glob
 import json
 import logging
 import os
 import re
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -33,11 +43,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..training import MicroBatch, micro_batch_states, micro_batches_from_states
 from .checkpoint_manifest import MANIFEST_FILE, fsync_path, full_disk_named, manifest_mismatches, read_manifest
+from .resume_checks import fields_named, load_checkpoint_file
 
 logger = logging.getLogger(__name__)
 
 SAMPLING_STATE_FILE = "dapo_sampling_state.pt"
 GENERATION_BATCH_FILE = "dapo_generation_batch_{rank}.pt"
+GENERATION_BATCH_FIELDS = ("position", "processes", "micro_batches")
 TRAINER_STATE_FILE = "trainer_state.json"  # the Trainer's, written after its other files
 
 
@@ -54,6 +66,19 @@ def save_checkpoint_file(value: object, path: str) -> None:
     finally:
         if os.path.exists(partial):
             os.remove(partial)
+
+
+@contextlib.contextmanager
+def older_checkpoints_kept(trainer: Any) -> Iterator[None]:
+    """The Trainer's save ends deleting older checkpoints (`save_total_limit`): while it runs, the trainer's own `args`
+    (a copy of the caller's) are swapped for a copy without the limit, so they go only after the manifest."""
+    args = trainer.args
+    trainer.args = copy.copy(args)
+    trainer.args.save_total_limit = None
+    try:
+        yield
+    finally:
+        trainer.args = args
 
 
 def why_incomplete(checkpoint: str, resume_files: tuple[str, ...]) -> str | None:
@@ -83,8 +108,11 @@ def trainer_state_problem(checkpoint: str) -> str | None:
             state = json.load(file)
     except ValueError:
         return f"{TRAINER_STATE_FILE} cut short"
-    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+    step = state.get("global_step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
         return f"{TRAINER_STATE_FILE} holds no Trainer state (no global_step)"
+    if step < 0:  # the Trainer would train from it up to max_steps: more steps than asked for
+        return f"{TRAINER_STATE_FILE} holds global_step={step}, below 0"
     return None
 
 
@@ -106,7 +134,7 @@ def newest_complete_checkpoint(output_dir: str, resume_files: tuple[str, ...]) -
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     numbered = sorted(((int(m.group(1)), name) for name in names if (m := pattern.match(name))), reverse=True)
     folders = [path for _, name in numbered if os.path.isdir(path := os.path.join(output_dir, name))]
-    skipped = []
+    skipped, saved_whole = [], []
     for folder in folders:
         reason = why_incomplete(folder, resume_files)
         if reason is None:
@@ -119,6 +147,16 @@ def newest_complete_checkpoint(output_dir: str, resume_files: tuple[str, ...]) -
                 )
             return folder, warning
         skipped.append(f"{folder} ({reason})")
+        if read_manifest(folder) is not None:
+            saved_whole.append(skipped[-1])
+    if saved_whole:  # training from step 0 would delete them (save_total_limit) or overwrite them
+        raise ValueError(
+            f"resume_from_checkpoint=True found no complete checkpoint in output_dir={output_dir!r}, and "
+            f"{'these were' if len(saved_whole) > 1 else 'this one was'} saved whole (a {MANIFEST_FILE} lists its "
+            f"files) but changed since: {', '.join(saved_whole)}. Starting from step 0 would delete or overwrite "
+            "it. Restore the files named, or move the folder out of output_dir to start from step 0 (its weights "
+            "can start a new run: model=<the folder>)."
+        )
     found = f"; skipped as incomplete: {', '.join(skipped)}" if skipped else ""
     kind = "complete checkpoint" if skipped else "checkpoint"
     return None, (
@@ -178,16 +216,37 @@ def sampling_state_path(checkpoint: str | None, needed: bool) -> str | None:
     return path
 
 
-def load_checkpoint_file(path: str, checkpoint: str, without_it: str, device: str | torch.device = "cpu") -> dict:
-    """A file DAPOTrainer saved with `checkpoint`, as tensors and plain values only; one that cannot be read is an
-    error naming it and the checkpoint, and how to go on without it (`without_it`)."""
-    try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except Exception as error:  # truncated (EOFError, RuntimeError), damaged or foreign (UnpicklingError)
-        raise RuntimeError(
-            f"{os.path.basename(path)} of resume_from_checkpoint={checkpoint!r} cannot be read "
-            f"({type(error).__name__}): the file is truncated, damaged or not one DAPOTrainer wrote. {without_it}"
-        ) from None
+SAMPLING_STATE_WAY_ON = (
+    "Resume from an earlier checkpoint of this run, or start a new run from this checkpoint's weights (model=<the "
+    "checkpoint folder>); with dynamic_sampling=False and partial_rollouts=False, delete the file and resume (it "
+    "holds the dynamic-sampling surplus, the carried groups of partial rollouts, the extra-prompt stream's position "
+    "and dapo/skipped_steps)."
+)
+
+
+@contextlib.contextmanager
+def read_sampling_state(path: str, checkpoint: str) -> Iterator[dict]:
+    """The checkpoint's `SAMPLING_STATE_FILE`, to apply inside the block: a field it lacks (a `KeyError` there) is an
+    error naming it, as is a file that cannot be read."""
+    state = load_checkpoint_file(path, checkpoint, SAMPLING_STATE_WAY_ON, ("buffer", "prompt_stream", "skipped_steps"))
+    with fields_named(SAMPLING_STATE_FILE, checkpoint, SAMPLING_STATE_WAY_ON):
+        yield state
+
+
+def load_carried(carried: Any, every_rank: list[dict] | None, checkpoint: str, accelerator: Accelerator) -> None:
+    """Each rank's carried groups (partial rollouts: `carried`, None without) back from the checkpoint, dealt anew on
+    another number of ranks; a checkpoint saved without partial rollouts has none, which a resumed run with them
+    starts from, as the log says."""
+    if carried is None:
+        return
+    if every_rank is None:
+        logger.warning(
+            "resume_from_checkpoint=%r was saved without partial rollouts: no groups are carried into the first "
+            "generation batch after it.",
+            checkpoint,
+        )
+        return
+    carried.load_state_dict(every_rank, accelerator.process_index, accelerator.num_processes)
 
 
 def save_generation_batch(
@@ -223,11 +282,12 @@ def load_generation_batch(
         "Delete it to resume with a new generation batch drawn at this step (the rest of the saved one is not "
         "trained), or resume from an earlier checkpoint."
     )
-    batch = load_checkpoint_file(path, checkpoint, without_it, device=accelerator.device)
+    batch = load_checkpoint_file(path, checkpoint, without_it, GENERATION_BATCH_FIELDS, device=accelerator.device)
     if batch["processes"] != accelerator.num_processes:
         raise ValueError(
             f"resume_from_checkpoint={checkpoint!r} was saved inside a generation batch on {batch['processes']} "
             f"processes, each holding its share of it: resume on {batch['processes']} processes, or delete its "
             f"{GENERATION_BATCH_FILE.format(rank='*')} files to draw a new generation batch at this step."
         )
-    return micro_batches_from_states(batch["micro_batches"]), batch["position"]
+    with fields_named(name, checkpoint, without_it):
+        return micro_batches_from_states(batch["micro_batches"]), batch["position"]

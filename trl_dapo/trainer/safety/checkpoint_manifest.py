@@ -18,38 +18,65 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 MANIFEST_FILE = "dapo_checkpoint_manifest.json"
 MANIFEST_FORMAT = 1
 CHECKSUM_LIMIT = 64 * 2**20  # bytes: every state, config and tokenizer file; never the weights of a real model
-# what torch.save's writer raises when the disk is full: it finds its file shorter than what it wrote
-TORCH_SHORT_WRITE = ("unexpected pos", "file write failed")
+# what torch.save's writer (its file shorter than what it wrote) and safetensors' (the OS error quoted) raise where
+# the disk is full; torch's stream failing as it closes ("basic_ios::clear") says no more than that the write failed
+FULL_DISK_SIGNS = ("unexpected pos", "file write failed", "No space left", "os error 28")
+WRITE_FAILED_SIGNS = (*FULL_DISK_SIGNS, "basic_ios::clear")
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+FULL_BELOW = 2**20  # bytes free under which a failed write is said to have met a full disk
 
 
 @contextlib.contextmanager
 def full_disk_named(path: str | os.PathLike) -> Iterator[None]:
-    """A full disk while writing `path` raised as an `OSError` (ENOSPC) saying so and naming it, in place of
-    torch.save's "[enforce fail at inline_container.cc] unexpected pos"."""
+    """A write into `path` (a file, or a checkpoint folder the Trainer writes) that fails for want of space raised as
+    an `OSError` naming the checkpoint folder, the file and the space left, in place of torch's "unexpected pos" or
+    "basic_ios::clear" and safetensors' "Error while serializing", which name neither."""
     try:
         yield
     except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if error.errno not in NO_SPACE_ERRNOS:
             raise
-        raise _no_space(path, error) from error
+        raise _write_failed(path, error) from error
     except RuntimeError as error:
-        if not any(sign in str(error) for sign in TORCH_SHORT_WRITE):
+        if not any(sign in str(error) for sign in WRITE_FAILED_SIGNS):
             raise
-        raise _no_space(path, error) from error
+        raise _write_failed(path, error) from error
+    except Exception as error:
+        if type(error).__name__ != "SafetensorError" or "I/O error" not in str(error):
+            raise
+        raise _write_failed(path, error) from error
 
 
-def _no_space(path: str | os.PathLike, error: Exception) -> OSError:
+def _write_failed(path: str | os.PathLike, error: Exception) -> OSError:
+    """The error for a write into `path` that failed: the folder, the file (in a folder the Trainer writes: the
+    weights where safetensors failed, which deletes its file; else the newest file, the one being written) and the
+    space left on the disk."""
+    path = Path(path)
+    folder, file = (path, _file_being_written(path, error)) if path.is_dir() else (path.parent, path.name)
+    free = shutil.disk_usage(folder).free
+    full = getattr(error, "errno", None) in NO_SPACE_ERRNOS or any(sign in str(error) for sign in FULL_DISK_SIGNS)
+    full = full or free < FULL_BELOW
+    what = f"{file} into checkpoint {folder}"
+    said = f"no space left on the disk while writing {what}" if full else f"writing {what} failed"
     return OSError(
-        errno.ENOSPC,
-        f"no space left while writing {path} ({type(error).__name__}: {error}). The checkpoint is incomplete and "
-        "older ones are kept: free space (or set output_dir on a larger disk) and resume.",
+        errno.ENOSPC if full else errno.EIO,
+        f"{said} ({free} bytes free; {type(error).__name__}: {error}). The checkpoint is incomplete and older ones "
+        "are kept: free space (or set output_dir on a larger disk) and resume.",
     )
+
+
+def _file_being_written(folder: Path, error: Exception) -> str:
+    if type(error).__name__ == "SafetensorError":
+        return "the model weights (*.safetensors)"
+    newest = max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_mtime_ns, default=None)
+    return newest.relative_to(folder).as_posix() if newest else "its first file"
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -107,31 +134,40 @@ def write_manifest(checkpoint: str | os.PathLike) -> None:
 
 
 def read_manifest(checkpoint: str | os.PathLike) -> dict | None:
-    """`checkpoint`'s manifest, None where it has none (a save not finished, or one written before manifests)."""
+    """`checkpoint`'s manifest, None where it has none (a save not finished, or one written before manifests). One
+    that cannot be read is an error: the manifest is written whole or not at all, so it was damaged after the save,
+    and the folder is neither resumed (its files cannot be checked) nor passed over (a run starting from an older
+    checkpoint would delete it with `save_total_limit`)."""
     path = Path(checkpoint) / MANIFEST_FILE
     if not path.is_file():
         return None
     try:
         manifest = json.loads(path.read_text())
-    except ValueError:
+    except ValueError:  # cut short, or not text
         manifest = None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        return {"unreadable": True}
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(e, dict) and "bytes" in e for e in files.values()):
+        raise ValueError(
+            f"{checkpoint}: its {MANIFEST_FILE} is damaged ({path.stat().st_size} bytes that are not a manifest), so "
+            "the files its save wrote cannot be checked: it is neither resumed nor deleted. If its files are whole "
+            "(the save ended and only the manifest was damaged), write a new manifest of them with python -c "
+            f"\"from trl_dapo.trainer.safety import write_manifest; write_manifest('{checkpoint}')\" and resume; "
+            "otherwise move the folder out of output_dir, and resume_from_checkpoint=True takes the next older "
+            "complete checkpoint (none: step 0)."
+        )
     return manifest
 
 
 def manifest_mismatches(checkpoint: str | os.PathLike, manifest: dict) -> list[str]:
     """What in `checkpoint` differs from its `manifest`: each file missing, of another size, or whose checksum
     differs; empty where the folder holds every file the save wrote, as written."""
-    if manifest.get("unreadable"):
-        return [f"{MANIFEST_FILE} unreadable"]
     wrong = []
     for name, expected in manifest["files"].items():
         path = Path(checkpoint) / name
         if not path.is_file():
             wrong.append(f"{name} missing")
-        elif (size := path.stat().st_size) != expected.get("bytes"):
-            wrong.append(f"{name} has {size} bytes, {expected.get('bytes')} written")
+        elif (size := path.stat().st_size) != expected["bytes"]:
+            wrong.append(f"{name} has {size} bytes, {expected['bytes']} written")
         elif "sha256" in expected and _sha256(path) != expected["sha256"]:
             wrong.append(f"{name} differs from the file written (SHA-256)")
     return wrong
