@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import copy_bandwidth, median_seconds
+from benchmarks.core.timing import copy_bandwidth, median_seconds
 from trl_dapo.rollout.paged_attention import (
     num_splits,
     reference_decode_attention,

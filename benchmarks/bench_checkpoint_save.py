@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from benchmarks.result_file import ResultFile, default_output, finish
-from benchmarks.workload import config_path
+from benchmarks.core.result_file import ResultFile, default_output, finish
+from benchmarks.core.workload import config_path
 from trl_dapo.trainer.safety.checkpoint_manifest import CHECKSUM_LIMIT
 
 BYTES_PER_PARAMETER = 2 + 2 * 2  # bf16 weights, AdamW's exp_avg and exp_avg_sq in the weights' dtype

@@ -67,9 +67,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.isolated import ERROR, OK, TIMEOUT, Outcome, already_done, run_isolated
-from benchmarks.result_file import ResultFile, default_output, finish
-from benchmarks.workload import CPU_CB_CONFIG, HERE, geometric_lengths
+from benchmarks.core.isolated import ERROR, OK, TIMEOUT, Outcome, already_done, run_isolated
+from benchmarks.core.result_file import ResultFile, default_output, finish
+from benchmarks.core.workload import BENCHMARKS, CPU_CB_CONFIG, geometric_lengths
 
 ENGINES = ("paged", "vllm", "vllm_no_logprobs", "cb")  # the run order within a shape
 VLLM_ENGINES = ("vllm", "vllm_no_logprobs")
@@ -109,7 +109,7 @@ def parse_shape(text: str) -> Shape:
             "qwen2.5-1.5b-v2048@128x8192, qwen2.5-7b@64x512-fixed or smollm2@512x256-math"
         )
     model, rows, new, prompt, lengths, math = match.groups()
-    if model not in CHAT_MODELS and not (HERE / "configs" / f"{model}.json").exists():
+    if model not in CHAT_MODELS and not (BENCHMARKS / "configs" / f"{model}.json").exists():
         raise argparse.ArgumentTypeError(f"shape {text!r}: MODEL is a config of benchmarks/configs, smollm2 or tiny")
     if math and (model not in CHAT_MODELS or prompt):
         raise argparse.ArgumentTypeError(

@@ -38,9 +38,9 @@ import traceback
 
 import torch
 
-from benchmarks.result_file import ResultFile, default_output, finish
-from benchmarks.timing import copy_bandwidth, timed_call
-from benchmarks.workload import (
+from benchmarks.core.result_file import ResultFile, default_output, finish
+from benchmarks.core.timing import copy_bandwidth, timed_call
+from benchmarks.core.workload import (
     EOS_TOKEN_ID,
     PAD_TOKEN_ID,
     config_path,

@@ -22,9 +22,9 @@ import argparse
 import torch
 from transformers import AutoConfig
 
-from benchmarks.result_file import ResultFile, default_output
+from benchmarks.core.result_file import ResultFile, default_output
+from benchmarks.core.workload import config_path, prompts, random_model, uninformative_reward, word_tokenizer
 from benchmarks.trainer_run import add_batch_arguments, batch_setup, run_trainer
-from benchmarks.workload import config_path, prompts, random_model, uninformative_reward, word_tokenizer
 
 
 def mode_settings(mode: str) -> dict:

@@ -44,12 +44,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from benchmarks.isolated import OK, OUT_OF_MEMORY
-from benchmarks.result_file import ResultFile, default_output
-from benchmarks.step_isolation import isolated_comparison, previous_models, save_checkpoint
-from benchmarks.timing import hardware_ceilings
-from benchmarks.trainer_run import add_batch_arguments, batch_setup, run_trainer
-from benchmarks.workload import (
+from benchmarks.core.isolated import OK, OUT_OF_MEMORY
+from benchmarks.core.result_file import ResultFile, default_output
+from benchmarks.core.timing import hardware_ceilings
+from benchmarks.core.workload import (
     CPU_CB_CONFIG,
     config_path,
     decode_weight_bytes,
@@ -58,6 +56,8 @@ from benchmarks.workload import (
     random_model,
     word_tokenizer,
 )
+from benchmarks.step_isolation import isolated_comparison, previous_models, save_checkpoint
+from benchmarks.trainer_run import add_batch_arguments, batch_setup, run_trainer
 from trl_dapo.trainer.configuration.choices import DEFAULT_MAX_IN_FLIGHT
 
 # The trainers a comparison runs, with their DAPOConfig overrides. On CUDA, DAPO generates with its engine; the same

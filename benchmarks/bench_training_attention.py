@@ -22,9 +22,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from benchmarks.result_file import ResultFile
-from benchmarks.timing import median_seconds
-from benchmarks.workload import HERE
+from benchmarks.core.result_file import ResultFile
+from benchmarks.core.timing import median_seconds
+from benchmarks.core.workload import BENCHMARKS
 from trl_dapo.trainer.training.packed_attention import (
     flash_varlen_attention,
     packed_attention,
@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--max-new", type=int, nargs="*", default=[4096, 8192])
     parser.add_argument("--fixed-rows", type=int, default=0, help="also this many rows all of the maximum length")
-    parser.add_argument("--output", default=str(HERE / "results" / "bench_training_attention.json"))
+    parser.add_argument("--output", default=str(BENCHMARKS / "results" / "bench_training_attention.json"))
     args = parser.parse_args()
     output = ResultFile(args.output, "cuda", vars(args))
     results = output.data["results"] = []

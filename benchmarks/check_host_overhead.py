@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import synchronize
-from benchmarks.workload import HERE, config_path, random_model
+from benchmarks.core.timing import synchronize
+from benchmarks.core.workload import BENCHMARKS, config_path, random_model
 from trl_dapo.rollout import PagedRolloutEngine, TokenSampling
 
 
@@ -114,7 +114,7 @@ def main() -> None:
     gc.freeze()  # the objects compilation left behind no longer walked by each garbage collection
     measure("garbage collector frozen")
 
-    output = Path(args.output or HERE / "results" / "check_host_overhead.json")
+    output = Path(args.output or BENCHMARKS / "results" / "check_host_overhead.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps({"device": device, "model": args.model, "rows": rows}, indent=2))
     print("| state | launch us | issue ms | step ms | children | affinity | threads |\n|---|---|---|---|---|---|---|")

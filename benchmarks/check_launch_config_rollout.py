@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_multi_gpu import free_port
-from benchmarks.result_file import ResultFile, default_output, finish
+from benchmarks.core.result_file import ResultFile, default_output, finish
 
 ROOT = Path(__file__).parent.parent
 WORKER = ROOT / "benchmarks" / "launch_config_rollout_worker.py"

@@ -47,9 +47,9 @@ from typing import NamedTuple
 import torch
 from trl.trainer.utils import add_fused_lm_head
 
-from benchmarks.result_file import ResultFile, default_output, finish
-from benchmarks.timing import timed_call
-from benchmarks.workload import EOS_TOKEN_ID, PAD_TOKEN_ID, config_path, random_model, token_prompts, with_lora
+from benchmarks.core.result_file import ResultFile, default_output, finish
+from benchmarks.core.timing import timed_call
+from benchmarks.core.workload import EOS_TOKEN_ID, PAD_TOKEN_ID, config_path, random_model, token_prompts, with_lora
 from trl_dapo.rollout import PagedRolloutEngine, TokenSampling
 from trl_dapo.rollout.fp8 import fp8_supported
 

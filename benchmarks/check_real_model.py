@@ -44,9 +44,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.bench_rollout import warmup_calls
 from benchmarks.check_logprob_gap import Samples, score, training_forward
-from benchmarks.result_file import ResultFile, default_output, finish
-from benchmarks.timing import timed_call
-from benchmarks.workload import config_path
+from benchmarks.core.result_file import ResultFile, default_output, finish
+from benchmarks.core.timing import timed_call
+from benchmarks.core.workload import config_path
 from trl_dapo.data.math import arithmetic_dataset
 from trl_dapo.gguf import gguf_location, load_gguf_causal_lm, load_gguf_tokenizer, shipped_smollm2
 from trl_dapo.rewards.math import PROMPT_TEMPLATE

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks.timing import StepTimer, time_methods
-from benchmarks.workload import config_path, prompts, word_tokenizer
+from benchmarks.core.timing import StepTimer, time_methods
+from benchmarks.core.workload import config_path, prompts, word_tokenizer
 from trl_dapo import DAPOConfig, DAPOTrainer
 from trl_dapo.testing import ScriptedRollout
 from trl_dapo.tiny_model import build_tiny_model

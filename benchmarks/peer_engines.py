@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks.workload import kv_bytes_per_token
+from benchmarks.core.workload import kv_bytes_per_token
 
 GROUP = 16  # rows per distinct prompt, as DAPO samples them
 TAIL_SHARE = 0.25  # "few rows running": fewer than this share of the call's rows

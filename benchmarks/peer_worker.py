@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.isolated import report_progress, write_result
+from benchmarks.core.isolated import report_progress, write_result
+from benchmarks.core.timing import DeviceMemoryPeak, synchronize
+from benchmarks.core.workload import token_prompts
 from benchmarks.peer_engines import ENGINES, GROUP, load_model, tail_steps
-from benchmarks.timing import DeviceMemoryPeak, synchronize
-from benchmarks.workload import token_prompts
 
 WARMUP_TOKENS = 16  # vLLM and continuous batching: one short call (vLLM captured its graphs when built)
 PROFILED_TOKENS = 64
@@ -60,7 +60,7 @@ def prepare(spec: dict) -> dict:
 
         build_tiny_model(partial)
     else:
-        from benchmarks.save_random_model import save_random_model
+        from benchmarks.core.save_random_model import save_random_model
 
         save_random_model(model, partial, dtype, device)
     partial.rename(folder)

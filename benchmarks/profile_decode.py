@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_rollout import build_model, release_memory
-from benchmarks.result_file import ResultFile, default_output, finish
-from benchmarks.timing import copy_bandwidth, timed_call
-from benchmarks.workload import EOS_TOKEN_ID, PAD_TOKEN_ID, token_prompts
+from benchmarks.core.result_file import ResultFile, default_output, finish
+from benchmarks.core.timing import copy_bandwidth, timed_call
+from benchmarks.core.workload import EOS_TOKEN_ID, PAD_TOKEN_ID, token_prompts
 from trl_dapo.rollout import PagedRolloutEngine, TokenSampling
 from trl_dapo.rollout.generation import slot_bucket
 from trl_dapo.rollout.paged_attention import num_splits, reference_decode_attention, triton_decode_attention

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.isolated import OK, OUT_OF_MEMORY, Outcome, already_done, run_isolated
+from benchmarks.core.isolated import OK, OUT_OF_MEMORY, Outcome, already_done, run_isolated
 
 
 def micro_batch_ladder(rows_per_step: int, ga: int, asked: list[int] | None) -> list[int]:
@@ -61,7 +61,7 @@ def save_checkpoint(name: str, folder: Path, device: str, timeout: float) -> Non
     shutil.rmtree(partial, ignore_errors=True)
     dtype = "bfloat16" if device == "cuda" else "float32"
     command = [
-        sys.executable, "-m", "benchmarks.save_random_model", "--model", name, "--output", str(partial),
+        sys.executable, "-m", "benchmarks.core.save_random_model", "--model", name, "--output", str(partial),
         "--dtype", dtype, "--device", device,
     ]  # fmt: skip
     outcome = run_isolated(command, partial.with_suffix(".result.json"), timeout)

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from benchmarks.timing import StepProfiler, StepTimer, time_methods
-from benchmarks.workload import parity_reward
+from benchmarks.core.timing import StepProfiler, StepTimer, time_methods
+from benchmarks.core.workload import parity_reward
 from trl_dapo import DAPOConfig, DAPOTrainer
 
 

@@ -1,4 +1,4 @@
-"""Measurements in processes of their own (`benchmarks/isolated.py`): how a child's end becomes an outcome, what a
+"""Measurements in processes of their own (`benchmarks/core/isolated.py`): how a child's end becomes an outcome, what a
 rerun skips, the micro-batch ladder of `bench_step.py`'s isolated kinds, and the pieces of `bench_peers.py` that need
 no engine (shapes, the tail, what a timed-out measurement keeps, the shared lengths' draw, vLLM's arguments built
 without vLLM); `bench_step.py` running TRL's continuous batching beside DAPO, each in its own process, on the CPU."""
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from benchmarks.bench_peers import cut_off, parse_shape
-from benchmarks.isolated import ERROR, OK, OUT_OF_MEMORY, TIMEOUT, Outcome, already_done, run_isolated
+from benchmarks.core.isolated import ERROR, OK, OUT_OF_MEMORY, TIMEOUT, Outcome, already_done, run_isolated
+from benchmarks.core.workload import geometric_lengths
 from benchmarks.peer_engines import (
     tail_seconds,
     tail_steps,
@@ -27,14 +28,15 @@ from benchmarks.peer_engines import (
     vllm_sampling_kwargs,
 )
 from benchmarks.step_isolation import climb, micro_batch_ladder, rungs
-from benchmarks.workload import geometric_lengths
 
 ROOT = Path(__file__).parent.parent
 
 
 def child(tmp_path, body: str, timeout: float = 60) -> Outcome:
     """Run `body` as a child that may report progress and write its result to `result.json`."""
-    script = "import sys, time\nfrom benchmarks.isolated import report_progress, write_result\nresult = sys.argv[1]\n"
+    script = (
+        "import sys, time\nfrom benchmarks.core.isolated import report_progress, write_result\nresult = sys.argv[1]\n"
+    )
     command = [sys.executable, "-c", script + textwrap.dedent(body), str(tmp_path / "result.json")]
     return run_isolated(command, tmp_path / "result.json", timeout)
 
@@ -67,10 +69,10 @@ def test_a_parent_ended_by_sigterm_stops_its_child_and_grandchild_first(tmp_path
     parent = f"""
         import sys
         from pathlib import Path
-        from benchmarks.isolated import run_isolated
+        from benchmarks.core.isolated import run_isolated
         body = (
             "import subprocess, sys, time\\n"
-            "from benchmarks.isolated import report_progress\\n"
+            "from benchmarks.core.isolated import report_progress\\n"
             "grandchild = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\\n"
             "report_progress(sys.argv[1], grandchild=grandchild.pid)\\n"
             "time.sleep(600)\\n"
@@ -107,7 +109,7 @@ def test_a_child_that_runs_out_of_memory_is_told_from_one_that_fails(tmp_path):
 
 def test_the_device_peak_is_the_largest_reading_of_nvidia_smi(tmp_path, monkeypatch):
     """A stand-in `nvidia-smi` (no GPU here): the one-shot query reads 3 GiB used of 80, the loop 1, 6 then 2 GiB."""
-    from benchmarks.timing import DeviceMemoryPeak
+    from benchmarks.core.timing import DeviceMemoryPeak
 
     script = tmp_path / "nvidia-smi"
     script.write_text('#!/bin/sh\ncase "$*" in *loop-ms*) printf "1024\\n6144\\n2048\\n"; exec sleep 30;; '

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.workload import geometric_lengths
+from benchmarks.core.workload import geometric_lengths
 
 ROOT = Path(__file__).parent.parent
 # The tiny local model (trl_dapo.testing): vocabulary 366, hidden 64, MLP 128, 2 layers, 4 query / 2 key-value heads
@@ -328,8 +328,8 @@ def test_continuous_batching_gives_each_row_its_length_and_reports_rows_as_they_
     """Transformers' continuous batching through TRL's `_generate_single_turn`, each request given its row's exact
     length as its manager receives it (rows of one prompt in row order), and every finished row reported, the last
     report holding every row and token: what a call cut off by a time limit reports instead of nothing."""
+    from benchmarks.core.workload import CPU_CB_CONFIG
     from benchmarks.peer_engines import ContinuousBatchingPeer
-    from benchmarks.workload import CPU_CB_CONFIG
     from trl_dapo.tiny_model import build_tiny_model
 
     build_tiny_model(tmp_path / "tiny")

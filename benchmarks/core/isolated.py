@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]  # the repository root, where `python -m benchmarks...` finds the package
 OK, TIMEOUT, OUT_OF_MEMORY, ERROR = "ok", "timeout", "out of memory", "error"
 # What torch prints when an allocation fails (in the child's last lines); vLLM's own "not enough memory for the KV
 # cache" at start-up is a set-up error, which a smaller micro-batch would not fix.

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 from trl_dapo.tiny_model import CHAT_TEMPLATE, build_tiny_model
 
-HERE = Path(__file__).parent
+BENCHMARKS = Path(__file__).parents[1]  # the benchmarks folder: its configs/ and results/
 EOS_TOKEN_ID, PAD_TOKEN_ID = 2, 0  # of the word tokenizer and of the tiny model's tokenizer alike
 # transformers' continuous batching sizes its cache from the host's memory on the CPU, which takes minutes to set up:
 # the CPU smoke runs give it a small one (`transformers_continuous_batching_config`).
@@ -34,7 +34,7 @@ def config_path(name: str) -> Path:
         folder = Path(tempfile.mkdtemp())
         build_tiny_model(folder)
         return folder / "config.json"
-    return HERE / "configs" / f"{name}.json"
+    return BENCHMARKS / "configs" / f"{name}.json"
 
 
 def random_model(config_path: Path, device: str, dtype: torch.dtype | None, seed: int = 0):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.workload import HERE
+from benchmarks.core.workload import BENCHMARKS
 
 PACKAGES = ("torch", "transformers", "trl", "accelerate", "peft")
 
@@ -20,7 +20,7 @@ def git_commit() -> str | None:
     """The checked-out commit (with "-dirty" for uncommitted changes), or None outside a git checkout."""
     try:
         described = subprocess.run(
-            ["git", "describe", "--always", "--dirty", "--abbrev=40"], cwd=HERE, capture_output=True, text=True
+            ["git", "describe", "--always", "--dirty", "--abbrev=40"], cwd=BENCHMARKS, capture_output=True, text=True
         )
     except OSError:
         return None
@@ -53,7 +53,7 @@ class ResultFile:
 
 
 def default_output(script: str, tiny: bool, device: str) -> Path:
-    return HERE / "results" / f"{script}_{'tiny' if tiny else device}.json"
+    return BENCHMARKS / "results" / f"{script}_{'tiny' if tiny else device}.json"
 
 
 def finish(table: str, path: Path, failures: int, what: str) -> None:
