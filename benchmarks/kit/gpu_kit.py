@@ -3,13 +3,13 @@ SmolLM2-135M-Instruct GGUF) onto it, in parts small enough for the calls that co
 
 Here (with network):
 
-    python -m benchmarks.gpu_kit_build --gguf "$(python -m trl_dapo.smollm2)"
+    python -m benchmarks.kit.gpu_kit_build --gguf "$(python -m trl_dapo.smollm2)"
 
 writes `.kit/call-1`, `.kit/call-2`, ... (one folder to carry per call) and prints the plan. There, at the start of
 every call (it copies what arrived to /tmp/kit, joins and installs what is complete, and prints the line to eval):
 
-    eval "$(python3 -m benchmarks.gpu_kit install)"
-    python3 -m benchmarks.gpu_kit install --check      # the first call: imports and versions, then a CUDA check
+    eval "$(python3 -m benchmarks.kit.gpu_kit install)"
+    python3 -m benchmarks.kit.gpu_kit install --check      # the first call: imports and versions, then a CUDA check
 
 This module is the machine's side and imports the standard library alone; the build, `gpu_kit_build`, imports it.
 """
@@ -99,7 +99,7 @@ def load_manifest(kit: Path, work: Path) -> dict:
     if (work / MANIFEST).is_file():
         found.append(json.loads((work / MANIFEST).read_text()))
     if not found:
-        raise SystemExit(f"no kit: carry a folder of {kit}/ (run `python -m benchmarks.gpu_kit_build` first)")
+        raise SystemExit(f"no kit: carry a folder of {kit}/ (run `python -m benchmarks.kit.gpu_kit_build` first)")
     return max(found, key=lambda manifest: manifest["built"])
 
 
@@ -272,7 +272,7 @@ def run_install(then_check: bool, generate: str | None) -> None:
     if then_check:
         env = dict(os.environ, **KIT_ENV)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), str(Path.cwd()), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "benchmarks.gpu_kit", "check"]
+        command = [sys.executable, "-m", "benchmarks.kit.gpu_kit", "check"]
         subprocess.run(command + (["--generate", generate] if generate else []), env=env, check=True)
 
 

@@ -1,8 +1,8 @@
-"""The build side of `benchmarks.gpu_kit` (here, with network): download the pinned wheels, repack vLLM without what
-an H100 does not load, split the large files across calls of at most 64 MiB each (the working tree included) and
+"""The build side of `benchmarks.kit.gpu_kit` (here, with network): download the pinned wheels, repack vLLM without
+what an H100 does not load, split the large files across calls of at most 64 MiB each (the working tree included) and
 write `.kit/call-N` folders with one manifest of sha256 sums:
 
-    python -m benchmarks.gpu_kit_build --gguf "$(python -m trl_dapo.smollm2)"
+    python -m benchmarks.kit.gpu_kit_build --gguf "$(python -m trl_dapo.smollm2)"
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks.gpu_kit import KIT, MANIFEST, WORK, normalized, sha256_of
+from benchmarks.kit.gpu_kit import KIT, MANIFEST, WORK, normalized, sha256_of
 
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB  # what one call copies: the working tree plus the carried paths
@@ -307,7 +307,7 @@ def print_plan(manifest: dict, calls: int, vllm_wheel: Path | None) -> None:
     for archive in manifest["archives"]:
         print(f"{archive['name']} usable from {archive['parts'][-1]['call']} on")
     where = f"{WORK}/{manifest['gguf']}" if manifest["gguf"] else "none"
-    print(f'there, each call: eval "$(python3 -m benchmarks.gpu_kit install)"   (the GGUF: {where})')
+    print(f'there, each call: eval "$(python3 -m benchmarks.kit.gpu_kit install)"   (the GGUF: {where})')
 
 
 def main() -> None:
