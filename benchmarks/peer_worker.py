@@ -91,7 +91,7 @@ def shape_prompts(spec: dict) -> list[list[int]]:
         return token_prompts(rows, spec["prompt_tokens"], vocab, group=GROUP)
     from transformers import AutoTokenizer
 
-    from benchmarks.check_real_model import math_prompts
+    from benchmarks.rollout.check_real_model import math_prompts
 
     distinct = math_prompts(AutoTokenizer.from_pretrained(spec["folder"]), min(100, -(-rows // GROUP)))
     return [distinct[(row // GROUP) % len(distinct)] for row in range(rows)]
@@ -120,7 +120,7 @@ def warmup_calls(spec: dict, prompts: list[list[int]]) -> list[tuple[list[list[i
     if spec["engine"] != "paged":
         tokens = min(WARMUP_TOKENS, spec["new_tokens"])
         return [(prompts, tokens, [tokens] * len(prompts) if exact else None)]
-    from benchmarks.bench_rollout import warmup_calls as bucket_calls
+    from benchmarks.rollout.bench_rollout import warmup_calls as bucket_calls
     from trl_dapo.rollout import TokenSampling
 
     settings = TokenSampling(spec["new_tokens"], temperature=1.0)
@@ -253,8 +253,8 @@ def save_samples(path: Path, prompts: list[list[int]], generated) -> None:
 def gaps(spec: dict) -> dict:
     """Per engine (each one that returned logprobs): the gap |training forward - engine| of its returned logprobs over
     the first `gap_rows` rows' sampled tokens (mean, p99, max)."""
-    from benchmarks.check_logprob_gap import Samples
-    from benchmarks.check_real_model import quantile_stats, teacher_forced
+    from benchmarks.rollout.check_logprob_gap import Samples
+    from benchmarks.rollout.check_real_model import quantile_stats, teacher_forced
 
     model = load_model(Path(spec["folder"]), spec["device"])
     out = {}
@@ -287,7 +287,7 @@ def profile(spec: dict) -> dict:
     """Kernel device time per decode step over one call in which every row is PROFILED_TOKENS long (at most the
     shape's maximum; exact lengths, so every step runs all rows), after one warm-up call of the same settings; the
     graph launches per step; a one-token call's device time (prefill and one sample)."""
-    from benchmarks.profile_decode import kernel_profile
+    from benchmarks.rollout.profile_decode import kernel_profile
 
     tokens = min(PROFILED_TOKENS, spec["new_tokens"])
     spec = {**spec, "lengths": [tokens] * spec["rows"]}

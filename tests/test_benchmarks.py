@@ -229,7 +229,7 @@ def test_bench_sampling_tiny_runs_each_mode(tmp_path):
 
 def test_bench_rollout_tiny_counts_tokens_and_bandwidth_floor(tmp_path):
     shapes = ("32x16p8-fixed", "16x96p8", "16x8p8-fixed-lora")
-    stdout, results = run_tiny("bench_rollout", tmp_path, "--shapes", *shapes)
+    stdout, results = run_tiny("rollout.bench_rollout", tmp_path, "--shapes", *shapes)
     by_shape = {}
     for r in results["results"]:
         assert "error" not in r, r
@@ -362,7 +362,7 @@ def test_a_real_models_shared_lengths_come_from_one_unconstrained_call_of_the_pa
 
 def test_profile_decode_fp8_cache_option_builds_an_fp8_engine_and_skips_the_bf16_microbenchmarks(tmp_path):
     stdout, results = run_tiny(
-        "profile_decode", tmp_path, "--models", "tiny@4x3", "tiny:fp8kv@4x3", "--calls", "1", "--context", "8"
+        "rollout.profile_decode", tmp_path, "--models", "tiny@4x3", "tiny:fp8kv@4x3", "--calls", "1", "--context", "8"
     )
     plain, fp8 = results["models"]["tiny"], results["models"]["tiny+fp8kv"]
     assert "error" not in fp8, fp8
@@ -377,14 +377,16 @@ def test_profile_decode_fp8_cache_option_builds_an_fp8_engine_and_skips_the_bf16
 
 @pytest.mark.parametrize("text", ["tiny:fp8:fp8kv@4x3", "tiny:int8@4x3", "tiny@4"])
 def test_profile_decode_refuses_a_malformed_model(text):
-    from benchmarks.profile_decode import parse_model
+    from benchmarks.rollout.profile_decode import parse_model
 
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(text)):
         parse_model(text)
 
 
 def test_profile_decode_tiny_counts_steps_and_the_products_bytes(tmp_path):
-    stdout, results = run_tiny("profile_decode", tmp_path, "--models", "tiny@16x12", "--calls", "2", "--context", "32")
+    stdout, results = run_tiny(
+        "rollout.profile_decode", tmp_path, "--models", "tiny@16x12", "--calls", "2", "--context", "32"
+    )
     run = results["models"]["tiny"]
     assert "error" not in run, run
     assert "| tiny | 16x12 |" in stdout
@@ -462,7 +464,7 @@ def test_multi_gpu_bench_runs_each_launch_config_at_variable_lengths(tmp_path):
 
 
 def test_check_logprob_gap_tiny_scores_every_sampled_token_and_agrees_in_float32(tmp_path):
-    stdout, results = run_tiny("check_logprob_gap", tmp_path, "--rows", "16", "--new-tokens", "40")
+    stdout, results = run_tiny("rollout.check_logprob_gap", tmp_path, "--rows", "16", "--new-tokens", "40")
     assert "| tiny | bf16_logits | bf16_head |" in stdout
     assert "- tiny rollout precision, gap mean / p99 / max against bf16_head: bf16_logits " in stdout
     for spec in ("tiny", "tiny:lora4"):
@@ -494,7 +496,7 @@ def test_check_real_model_tiny_engine_in_float32_matches_hf_float32(tmp_path):
     """With the engine in float32 its rollout logprobs are HF float32's up to summation order, its greedy completions
     are HF float32's, while HF bf16 differs: the samples, prompts and tokens line up across the sides."""
     stdout, results = run_tiny(
-        "check_real_model", tmp_path, "--engine-dtype", "float32", "--prompts", "4", "--speed-rows", "8"
+        "rollout.check_real_model", tmp_path, "--engine-dtype", "float32", "--prompts", "4", "--speed-rows", "8"
     )
     assert "errors" not in results, results["errors"]
     gaps = results["logprob_gaps"]
@@ -527,7 +529,7 @@ def test_check_real_model_tiny_engine_in_float32_matches_hf_float32(tmp_path):
 
 
 def test_check_real_model_agreement_counts_the_prefix_each_completion_shares():
-    from benchmarks.check_real_model import agreement, paired_difference
+    from benchmarks.rollout.check_real_model import agreement, paired_difference
 
     # row 0 differs by 0.1 on its first token, row 1 by 0.2 on its only one: 0.3 over 3 tokens; resampled rows give
     # 0.1 / 2 (row 0 alone) up to 0.2 / 1 (row 1 alone)

@@ -1,7 +1,7 @@
 """The rollout engine in DAPO's real regime, beside HF `generate` (TRL's path) in one process.
 
-    python3 -m benchmarks.bench_rollout --models qwen2.5-0.5b --shapes 128x256-fixed 128x1024 1024x8192
-    python3 -m benchmarks.bench_rollout --tiny          # CPU smoke run on the tiny local model (fp32, eager)
+    python3 -m benchmarks.rollout.bench_rollout --models qwen2.5-0.5b --shapes 128x256-fixed 128x1024 1024x8192
+    python3 -m benchmarks.rollout.bench_rollout --tiny          # CPU smoke run on the tiny local model (fp32, eager)
 
 A shape is `ROWSxNEW[pPROMPT][-fixed][-lora][=ENGINE,...]`: ROWS rows of PROMPT-token prompts (default 256; 32 for
 fixed shapes) in groups of 16 identical prompts, as DAPO samples them, with random ids in [3, vocab), generating up
@@ -14,7 +14,7 @@ paged, paged_fp8kv, paged_fp8); by default a named shape runs those that finish 
 (`rollout_kv_cache_dtype="fp8"`), `paged_fp8` with FP8 weights too (`rollout_weights_dtype="fp8"`; GPUs of compute
 capability 8.9 or more), each built once per model like `paged`:
 
-    python3 -m benchmarks.bench_rollout --models qwen2.5-7b --shapes 128x4096=paged,paged_fp8kv,paged_fp8 \
+    python3 -m benchmarks.rollout.bench_rollout --models qwen2.5-7b --shapes 128x4096=paged,paged_fp8kv,paged_fp8 \
         --engines paged paged_fp8kv paged_fp8 --repeats 3
 
 Per (model, shape, engine): useful tokens/s = sum of completion lengths / device-synchronised wall time of one

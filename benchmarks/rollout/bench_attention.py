@@ -1,6 +1,6 @@
 """Paged decode attention on one GPU: trl-dapo's Triton kernel against PyTorch's FlexAttention and the reference.
 
-    python3 -m benchmarks.bench_attention                  # CUDA
+    python3 -m benchmarks.rollout.bench_attention                  # CUDA
 
 One new token per row over a paged KV cache (pages of `--page-size` tokens scattered through a pool), at the head
 layouts of Qwen2.5-0.5B (14 query / 2 KV heads, dim 64), 1.5B (12 / 2, dim 128) and 7B (28 / 4, dim 128). For each
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.core.timing import copy_bandwidth, median_seconds
+from benchmarks.core.workload import BENCHMARKS
 from trl_dapo.rollout.paged_attention import (
     num_splits,
     reference_decode_attention,
@@ -31,7 +32,6 @@ from trl_dapo.rollout.paged_attention import (
     triton_decode_attention,
 )
 
-HERE = Path(__file__).parent
 HEADS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128), "qwen2.5-7b": (28, 4, 128)}
 
 
@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=["16x8192", "128x512", "128x2048", "1024x2048", "256x8192"])
     parser.add_argument("--page-size", type=int, nargs="*", default=[16])
     parser.add_argument("--flex", action="store_true", help="also FlexAttention (compiled once per shape)")
-    parser.add_argument("--output", default=str(HERE / "results" / "bench_attention.json"))
+    parser.add_argument("--output", default=str(BENCHMARKS / "results" / "bench_attention.json"))
     args = parser.parse_args()
     bandwidth = copy_bandwidth("cuda") / 1e12  # TB/s
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tb_per_s": bandwidth}

@@ -1,6 +1,6 @@
 """Does generating with the rollout engine slow the eager training step that follows it?
 
-    python3 -m benchmarks.check_host_overhead --model qwen2.5-0.5b
+    python3 -m benchmarks.rollout.check_host_overhead --model qwen2.5-0.5b
 
 A small-model training step is bound by the host launching kernels, so anything that makes the host slower (busy
 background processes, a changed thread affinity) shows up as a slower step. This measures, in one process, the host
