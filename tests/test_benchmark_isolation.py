@@ -27,7 +27,7 @@ from benchmarks.peer_engines import (
     vllm_logprobs,
     vllm_sampling_kwargs,
 )
-from benchmarks.step_isolation import climb, micro_batch_ladder, rungs
+from benchmarks.trainer.step_isolation import climb, micro_batch_ladder, rungs
 
 ROOT = Path(__file__).parent.parent
 
@@ -299,7 +299,7 @@ def test_bench_step_isolates_a_kind_and_a_rerun_keeps_it(tmp_path):
     and trains nothing (the child's trainer log, `train_runtime`, is not printed again)."""
     output = tmp_path / "step.json"
     command = [
-        sys.executable, "-m", "benchmarks.bench_step", "--tiny", "--variable-lengths", "--kinds", "trl_cb",
+        sys.executable, "-m", "benchmarks.trainer.bench_step", "--tiny", "--variable-lengths", "--kinds", "trl_cb",
         "--isolate", "--prompts", "2", "--generations", "4", "--ga", "1", "--new-tokens", "12", "--warmup", "0",
         "--steps", "1", "--micro-batches", "8", "4", "--output", str(output),
     ]  # fmt: skip
@@ -319,7 +319,7 @@ def test_dapo_steps_are_set_against_each_trl_peer_that_was_measured():
     """DAPO's step over each TRL peer measured (`trl_cb` timed out: none), per generated token too (`dapo` generated
     250,000 tokens a step, `trl_vllm` and `dapo_vllm` the same 320,000), and `dapo_vllm` over `trl_vllm`: the same
     completions, so the step's ratio is the training side's alone plus vLLM's run-to-run spread."""
-    from benchmarks.bench_step import add_ratios
+    from benchmarks.trainer.bench_step import add_ratios
 
     def run(step: float, generation: float, tokens: int) -> dict:
         return {"step_s": step, "generation_s": generation, "train_s": step - generation, "train_median_s": 1.0,
@@ -343,7 +343,7 @@ def test_dapo_steps_are_set_against_each_trl_peer_that_was_measured():
 def test_fair_step_settings_are_refused_where_kinds_would_differ():
     """`--fair`: per-kind step counts, unpinned lengths, a ladder of micro-batches or fewer than 1 warm-up and 2
     measured steps are refused before anything runs; without them every kind gets 1 warm-up and 2 measured steps."""
-    from benchmarks.bench_step import fair_counts
+    from benchmarks.trainer.bench_step import fair_counts
 
     def args(**given) -> argparse.Namespace:
         return argparse.Namespace(**{"fair": True, "warmup": None, "steps": None, "pin_lengths": None,

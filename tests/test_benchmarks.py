@@ -32,7 +32,7 @@ def run_tiny(script: str, tmp_path: Path, *arguments: str) -> tuple[str, dict]:
 
 def test_bench_step_tiny_writes_finite_ratios(tmp_path):
     stdout, results = run_tiny(
-        "bench_step", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",
+        "trainer.bench_step", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",
         "--steps", "1", "trl=2", "--warmup", "1", "--profile",
     )  # fmt: skip
     assert "| tiny | DAPO/TRL |" in stdout
@@ -56,7 +56,7 @@ def test_bench_step_tiny_writes_finite_ratios(tmp_path):
 
 def test_bench_step_variable_lengths_counts_generated_tokens(tmp_path):
     _, results = run_tiny(
-        "bench_step", tmp_path, "--variable-lengths", "--prompts", "2", "--generations", "4", "--ga", "1",
+        "trainer.bench_step", tmp_path, "--variable-lengths", "--prompts", "2", "--generations", "4", "--ga", "1",
         "--new-tokens", "200", "--warmup", "0",
     )  # fmt: skip
     assert results["setup"]["pin_lengths"] == "False" and results["setup"]["gradient_checkpointing"] == "True"
@@ -88,7 +88,7 @@ def test_bench_step_fair_gives_every_kind_the_same_work_micro_batch_and_steps(tm
     generation path (so each samples the same 64 tokens a step), SDPA attention recorded (the CPU has no FlashAttention),
     no Liger; the steps per generated token are the step over those 64 tokens."""
     stdout, results = run_tiny(
-        "bench_step", tmp_path, "--variable-lengths", "--fair", "--kinds", "trl", "dapo", "trl_cb", "--prompts", "2",
+        "trainer.bench_step", tmp_path, "--variable-lengths", "--fair", "--kinds", "trl", "dapo", "trl_cb", "--prompts", "2",
         "--generations", "4", "--ga", "2", "--new-tokens", "8",
     )  # fmt: skip
     assert (results["setup"]["fair"], results["setup"]["pin_lengths"], results["setup"]["attention"]) == (
@@ -109,7 +109,7 @@ def test_bench_step_fair_gives_every_kind_the_same_work_micro_batch_and_steps(tm
 
 def test_bench_step_refuses_liger_where_it_is_not_installed(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_step", "--tiny", "--liger", "--output", str(tmp_path / "out.json")],
+        [sys.executable, "-m", "benchmarks.trainer.bench_step", "--tiny", "--liger", "--output", str(tmp_path / "out.json")],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode != 0 and "--liger: the liger_kernel package is not installed" in done.stderr
@@ -122,7 +122,7 @@ def test_bench_step_counts_the_rows_stream_mode_carries_from_one_step_into_the_n
     exactly their tokens (carried groups never age out by default), prefilling each resumed row's prompt (every prompt
     is 27 tokens: 24 words in the chat template) and tokens again."""
     _, results = run_tiny(
-        "bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo_stream_carry", "--prompts", "4",
+        "trainer.bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo_stream_carry", "--prompts", "4",
         "--generations", "2", "--ga", "1", "--new-tokens", "96", "--max-rows", "16", "--warmup", "0", "--steps", "2",
     )  # fmt: skip
     setup = results["setup"]
@@ -159,7 +159,7 @@ def test_bench_step_runs_partial_rollouts_beside_dapo_and_reports_what_they_carr
     the logged carried rows are the rows left in flight (none waited without a slot), and the tokens they brought
     are trained as sampled by an earlier step."""
     stdout, results = run_tiny(
-        "bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo", "dapo_partial", "--prompts", "4",
+        "trainer.bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo", "dapo_partial", "--prompts", "4",
         "--generations", "2", "--ga", "1", "--new-tokens", "300", "--max-rows", "16", "--max-in-flight", "2",
         "--warmup", "0", "--steps", "4", "dapo=1",
     )  # fmt: skip
@@ -188,7 +188,7 @@ def test_bench_step_runs_partial_rollouts_keeping_their_kv_beside_dapo(tmp_path)
     own pool is 8): every row one call leaves decoding continues in the next from its kept KV, with no prefill; the
     prefill it saved is each one's prompt (27 tokens) and tokens."""
     stdout, results = run_tiny(
-        "bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo", "dapo_partial_kept", "--prompts", "4",
+        "trainer.bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo", "dapo_partial_kept", "--prompts", "4",
         "--generations", "2", "--ga", "1", "--new-tokens", "300", "--max-rows", "8", "--carry-max-rows", "16",
         "--max-in-flight", "2", "--keep-cache", "0.01", "--warmup", "0", "--steps", "4", "dapo=1",
     )  # fmt: skip
@@ -207,7 +207,7 @@ def test_bench_step_runs_partial_rollouts_keeping_their_kv_beside_dapo(tmp_path)
 
 def test_bench_sampling_tiny_runs_each_mode(tmp_path):
     _, results = run_tiny(
-        "bench_sampling", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",
+        "trainer.bench_sampling", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",
         "--steps", "2", "--max-rows", "16", "--sampling-fractions", "0.5",
         "--sampling-modes", "1.0:True", "auto:False", "stream:finish", "stream:drop", "stream:carry",
     )  # fmt: skip
@@ -586,7 +586,7 @@ def test_bench_checkpoint_save_tiny_extrapolates_to_a_7b_save(tmp_path):
     """Qwen2.5-7B (configs/qwen2.5-7b.json: untied 152,064 x 3,584 embeddings, 28 layers) has 7,615,616,512
     parameters: its save at 6 bytes a parameter is 45,693,699,072 bytes; each measure's 7B time is its file time
     scaled by that size."""
-    stdout, results = run_tiny("bench_checkpoint_save", tmp_path)
+    stdout, results = run_tiny("trainer.bench_checkpoint_save", tmp_path)
     assert results["saved_7b_bytes"] == 7_615_616_512 * 6
     assert results["bytes"] >= 8 * 2**20  # the tensor, plus torch.save's few hundred bytes
     assert set(results["seconds"]) == {"save_and_fsync", "sha256", "crc32"}

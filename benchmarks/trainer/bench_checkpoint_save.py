@@ -1,6 +1,6 @@
 """What a checkpoint manifest's checksums would cost beside the save: why only small files get a SHA-256.
 
-    .venv/bin/python -m benchmarks.bench_checkpoint_save --gib 2
+    .venv/bin/python -m benchmarks.trainer.bench_checkpoint_save --gib 2
 
 Writes one file as the Trainer writes its weights and optimizer state (`torch.save` of a tensor, then `fsync`, as a
 checkpoint is synced before its manifest), then reads it back through SHA-256 (the manifest's checksum) and through

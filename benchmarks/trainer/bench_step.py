@@ -1,14 +1,14 @@
 """DAPOTrainer against TRL's GRPOTrainer, step for step, on one device; DAPO with gradient checkpointing, with LoRA and
 with the old policy recomputed; training MFU and decode bandwidth use against the measured hardware ceilings.
 
-    python3 -m benchmarks.bench_step                       # CUDA: Qwen2.5-0.5B and 1.5B architectures, random init
-    python3 -m benchmarks.bench_step --variable-lengths    # CUDA: 0.5B, 2,048-token vocabulary, up to 4,096 tokens
-    python3 -m benchmarks.bench_step --tiny                # CPU smoke run on the tiny local model
-    python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_partial dapo_stream_carry  # partial rollouts
-    python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_partial dapo_partial_kept --carry-max-rows 256
+    python3 -m benchmarks.trainer.bench_step                       # CUDA: Qwen2.5-0.5B and 1.5B architectures, random init
+    python3 -m benchmarks.trainer.bench_step --variable-lengths    # CUDA: 0.5B, 2,048-token vocabulary, up to 4,096 tokens
+    python3 -m benchmarks.trainer.bench_step --tiny                # CPU smoke run on the tiny local model
+    python3 -m benchmarks.trainer.bench_step --variable-lengths --kinds dapo dapo_partial dapo_stream_carry  # partial rollouts
+    python3 -m benchmarks.trainer.bench_step --variable-lengths --kinds dapo dapo_partial dapo_partial_kept --carry-max-rows 256
         # partial rollouts re-prefilling their carried rows and keeping their KV, in a slot pool twice the batch's
-    python3 -m benchmarks.bench_step --variable-lengths --kinds dapo dapo_fp8 dapo_fp8_partial  # FP8 rollouts
-    python3 -m benchmarks.bench_step --variable-lengths --fair --new-tokens 2048 --micro-batches 16 \
+    python3 -m benchmarks.trainer.bench_step --variable-lengths --kinds dapo dapo_fp8 dapo_fp8_partial  # FP8 rollouts
+    python3 -m benchmarks.trainer.bench_step --variable-lengths --fair --new-tokens 2048 --micro-batches 16 \
         --kinds dapo trl_vllm dapo_vllm trl_cb   # equal work against TRL with vLLM and continuous batching
 
 Both trainers get the same random-init model, prompts, batch geometry and seed. By default generation lengths are
@@ -56,8 +56,8 @@ from benchmarks.core.workload import (
     random_model,
     word_tokenizer,
 )
-from benchmarks.step_isolation import isolated_comparison, previous_models, save_checkpoint
-from benchmarks.trainer_run import add_batch_arguments, batch_setup, run_trainer
+from benchmarks.trainer.step_isolation import isolated_comparison, previous_models, save_checkpoint
+from benchmarks.trainer.trainer_run import add_batch_arguments, batch_setup, run_trainer
 from trl_dapo.trainer.configuration.choices import DEFAULT_MAX_IN_FLIGHT
 
 # The trainers a comparison runs, with their DAPOConfig overrides. On CUDA, DAPO generates with its engine; the same

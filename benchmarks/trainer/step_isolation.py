@@ -85,7 +85,7 @@ def isolated_comparison(
             micro_batch = rung["micro_batch"]
             child = output.parent / f".{output.stem}.{name}.{kind}.mb{micro_batch}.json"
             command = [
-                sys.executable, "-m", "benchmarks.bench_step", *sys.argv[1:], "--child", "--models", name,
+                sys.executable, "-m", "benchmarks.trainer.bench_step", *sys.argv[1:], "--child", "--models", name,
                 "--kinds", kind, "--sections", "comparison", "--ga", str(rows_per_step // micro_batch),
                 "--output", str(child),
             ]  # fmt: skip
