@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.bench_peers import cut_off, parse_shape
 from benchmarks.core.isolated import ERROR, OK, OUT_OF_MEMORY, TIMEOUT, Outcome, already_done, run_isolated
 from benchmarks.core.workload import geometric_lengths
-from benchmarks.peer_engines import (
+from benchmarks.peers.bench_peers import cut_off, parse_shape
+from benchmarks.peers.peer_engines import (
     tail_seconds,
     tail_steps,
     vllm_capture_sizes,

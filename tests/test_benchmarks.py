@@ -268,7 +268,7 @@ def test_bench_peers_tiny_gives_every_engine_the_same_lengths_and_a_rerun_skips_
     shapes = ["tiny@16x96p8", "tiny@4x6-fixed-math", "tiny@8x16p8-free"]
     arguments = ["--smoke", "--shapes", *shapes, "--checkpoints", str(tmp_path / "ck"),
                  "--samples", str(tmp_path / "samples")]  # fmt: skip
-    stdout, results = run_tiny("bench_peers", tmp_path, *arguments)
+    stdout, results = run_tiny("peers.bench_peers", tmp_path, *arguments)
     records = {(r["shape"], r["engine"], r["kind"]): r for r in results["results"]}
     assert set(records) == {(shape, engine, "generate") for shape in shapes for engine in ("paged", "cb")} | {
         ("tiny@16x96p8", "paged", "profile")
@@ -310,7 +310,7 @@ def test_bench_peers_tiny_gives_every_engine_the_same_lengths_and_a_rerun_skips_
     assert math_prompts[0][0] == 1 and len(set(map(tuple, math_prompts))) == 1  # <|im_start|>: chat template; a group
     assert "| tiny@16x96p8 | paged | shared |" in stdout and "none returned" in stdout
     assert "- tiny@16x96p8: shared lengths (geometric" in stdout
-    _, again = run_tiny("bench_peers", tmp_path, *arguments, "--skip-done")
+    _, again = run_tiny("peers.bench_peers", tmp_path, *arguments, "--skip-done")
     assert again["results"] == results["results"] and again["lengths"] == results["lengths"]
 
 
@@ -318,7 +318,7 @@ def test_bench_peers_measures_no_logprob_gap_with_gap_rows_0(tmp_path):
     """`--gap-rows 0`: the engines are measured and no gap process runs (its padded batch of no rows had no width)."""
     arguments = ["--shapes", "tiny@4x6p8", "--engines", "paged", "--repeats", "1", "--gap-rows", "0",
                  "--checkpoints", str(tmp_path / "ck"), "--samples", str(tmp_path / "samples")]  # fmt: skip
-    _, results = run_tiny("bench_peers", tmp_path, *arguments)
+    _, results = run_tiny("peers.bench_peers", tmp_path, *arguments)
     (record,) = results["results"]
     assert record["status"] == "ok" and "logprob_gap" not in record
     assert not list((tmp_path / "samples").glob("*gaps*"))
@@ -329,7 +329,7 @@ def test_continuous_batching_gives_each_row_its_length_and_reports_rows_as_they_
     length as its manager receives it (rows of one prompt in row order), and every finished row reported, the last
     report holding every row and token: what a call cut off by a time limit reports instead of nothing."""
     from benchmarks.core.workload import CPU_CB_CONFIG
-    from benchmarks.peer_engines import ContinuousBatchingPeer
+    from benchmarks.peers.peer_engines import ContinuousBatchingPeer
     from trl_dapo.tiny_model import build_tiny_model
 
     build_tiny_model(tmp_path / "tiny")
@@ -349,7 +349,7 @@ def test_continuous_batching_gives_each_row_its_length_and_reports_rows_as_they_
 def test_a_real_models_shared_lengths_come_from_one_unconstrained_call_of_the_paged_engine(tmp_path):
     """The lengths a pretrained model's completions take (SmolLM2's shape): the paged engine once, seeded, to the end
     token or the shape's maximum; the same seed gives the same lengths."""
-    from benchmarks.peer_worker import measured_lengths
+    from benchmarks.peers.peer_worker import measured_lengths
     from trl_dapo.tiny_model import build_tiny_model
 
     build_tiny_model(tmp_path / "tiny")

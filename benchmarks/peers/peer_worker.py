@@ -1,6 +1,6 @@
 """One measurement of `bench_peers.py`, in a process of its own (the parent runs it under a time limit):
 
-    python3 -m benchmarks.peer_worker prepare|lengths|generate|gaps|profile SPEC_JSON RESULT_JSON
+    python3 -m benchmarks.peers.peer_worker prepare|lengths|generate|gaps|profile SPEC_JSON RESULT_JSON
 
 - `prepare`: the shape's checkpoint folder (a random-init config saved in bf16 on CUDA, SmolLM2-135M-Instruct
   dequantised from its GGUF file with its tokenizer and chat template, or the tiny model), unless it exists.
@@ -35,7 +35,7 @@ import torch
 from benchmarks.core.isolated import report_progress, write_result
 from benchmarks.core.timing import DeviceMemoryPeak, synchronize
 from benchmarks.core.workload import token_prompts
-from benchmarks.peer_engines import ENGINES, GROUP, load_model, tail_steps
+from benchmarks.peers.peer_engines import ENGINES, GROUP, load_model, tail_steps
 
 WARMUP_TOKENS = 16  # vLLM and continuous batching: one short call (vLLM captured its graphs when built)
 PROFILED_TOKENS = 64
