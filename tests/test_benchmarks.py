@@ -409,7 +409,7 @@ def test_profile_decode_tiny_counts_steps_and_the_products_bytes(tmp_path):
 def test_multi_gpu_bench_on_cpu_processes_matches_one_rank(tmp_path):
     output = tmp_path / "multi.json"
     command = [
-        sys.executable, "-m", "benchmarks.bench_multi_gpu", "--tiny", "--configs", "cpu_ddp", "--steps", "2",
+        sys.executable, "-m", "benchmarks.multi_gpu.bench_multi_gpu", "--tiny", "--configs", "cpu_ddp", "--steps", "2",
         "--output", str(output),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -425,7 +425,7 @@ def test_multi_gpu_rollout_bench_on_cpu_processes(tmp_path):
     otherwise."""
     output = tmp_path / "rollout.json"
     command = [
-        sys.executable, "-m", "benchmarks.bench_multi_gpu", "--tiny", "--rollout", "--rollout-runs",
+        sys.executable, "-m", "benchmarks.multi_gpu.bench_multi_gpu", "--tiny", "--rollout", "--rollout-runs",
         "cpu_ddp:engine", "cpu_ddp:trl", "--processes", "2", "--rows-per-step", "16", "--ga", "2", "--new-tokens", "4",
         "--steps", "2", "--output", str(output),
     ]  # fmt: skip
@@ -448,7 +448,7 @@ def test_multi_gpu_bench_runs_each_launch_config_at_variable_lengths(tmp_path):
     pytest.importorskip("deepspeed")
     output = tmp_path / "configs.json"
     command = [
-        sys.executable, "-m", "benchmarks.bench_multi_gpu", "--tiny", "--rollout", "--variable-lengths",
+        sys.executable, "-m", "benchmarks.multi_gpu.bench_multi_gpu", "--tiny", "--rollout", "--variable-lengths",
         "--rollout-runs", "single_gpu:engine", "zero2:engine", "fsdp2:engine", "--processes", "1",
         "--rows-per-step", "16", "--ga", "2", "--new-tokens", "8", "--steps", "2", "--output", str(output),
     ]  # fmt: skip
@@ -556,7 +556,7 @@ def test_check_launch_config_rollout_finds_zero3_first_rollout_equal_to_single_g
     output = tmp_path / "configs.json"
     for engine_dtype, zero3_differs in (("bfloat16", set()), ("default", {"snapshot", "logprobs"})):
         command = [
-            sys.executable, "-m", "benchmarks.check_launch_config_rollout", "--configs", "single_gpu", "zero3",
+            sys.executable, "-m", "benchmarks.multi_gpu.check_launch_config_rollout", "--configs", "single_gpu", "zero3",
             "--engine-dtype", engine_dtype, "--output", str(output),
         ]  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -570,7 +570,7 @@ def test_check_launch_config_rollout_finds_zero3_first_rollout_equal_to_single_g
 
 def test_the_tiny_multi_gpu_bench_writes_outside_the_repository_unless_told():
     """`--tiny` is a smoke run: its JSON left an untracked file in benchmarks/results, among the measured ones."""
-    from benchmarks.bench_multi_gpu import output_path
+    from benchmarks.multi_gpu.bench_multi_gpu import output_path
 
     scratch = Path("scratch")
     assert (

@@ -1,8 +1,8 @@
 """What several ranks sharing one GPU can run: which process-group backend and collectives on CUDA tensors, and which
 of the recipes' sharding strategies (DDP, FSDP2, DeepSpeed ZeRO-2/3) train a step there.
 
-    python3 -m benchmarks.check_shared_gpu                 # 2 ranks on the first GPU
-    python3 -m benchmarks.check_shared_gpu --tiny          # the same on CPU ranks (a check of the script)
+    python3 -m benchmarks.multi_gpu.check_shared_gpu                 # 2 ranks on the first GPU
+    python3 -m benchmarks.multi_gpu.check_shared_gpu --tiny          # the same on CPU ranks (a check of the script)
 
 Each check starts its own ranks (every one with LOCAL_RANK 0, so all sit on the first device) and must end within
 `--timeout` seconds; a rank that fails or hangs marks the check failed with its error. Prints a table last and writes
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-HERE = Path(__file__).parent
+ROOT = Path(__file__).parents[2]  # the repository root: the ranks run from it
 CHECKS = {
     "nccl_all_reduce": "NCCL, all_reduce",
     "gloo_all_reduce": "gloo, all_reduce on the device's tensors",
@@ -149,9 +149,10 @@ def launch(name: str, ranks: int, timeout: int, folder: Path) -> dict:
             **os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
         }  # fmt: skip
-        command = [sys.executable, "-m", "benchmarks.check_shared_gpu", "--rank-of", name, "--output", str(output)]
+        check = ["--rank-of", name, "--output", str(output)]
+        command = [sys.executable, "-m", "benchmarks.multi_gpu.check_shared_gpu", *check]
         log = (folder / f"{name}.rank{rank}.log").open("w")
-        processes.append(subprocess.Popen(command, cwd=HERE.parent, env=environment, stdout=log, stderr=log))
+        processes.append(subprocess.Popen(command, cwd=ROOT, env=environment, stdout=log, stderr=log))
     try:
         for process in processes:
             process.wait(timeout=timeout)
@@ -194,7 +195,7 @@ def main() -> None:
     for row in rows:
         print(f"| {CHECKS[row['check']]} | {'yes' if row['ok'] else 'no'} | {row['detail']} |")
     name = torch.cuda.get_device_name(0).split()[-1].lower() if where == "cuda" else "cpu"
-    output = Path(args.output or HERE / "results" / f"check_shared_gpu_{name}.json")
+    output = Path(args.output or ROOT / "benchmarks" / "results" / f"check_shared_gpu_{name}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps({"device": where, "ranks": args.ranks, "rows": rows}, indent=2))
     print(f"wrote {output}")

@@ -1,11 +1,11 @@
 """Data parallelism for DAPO: N ranks against 1 on the same generation batch, under DDP, ZeRO-2 and ZeRO-3; and
 generation speed with sharded weights.
 
-    python3 -m benchmarks.bench_multi_gpu --processes 2                    # GPUs: ddp, zero2, zero3, Qwen2.5-1.5B arch
-    python3 -m benchmarks.bench_multi_gpu --tiny --configs cpu_ddp         # CPU processes over gloo, tiny model
-    python3 -m benchmarks.bench_multi_gpu --rollout --processes 1          # GPUs: the engine under ZeRO-3 / ZeRO-2 /
+    python3 -m benchmarks.multi_gpu.bench_multi_gpu --processes 2                    # GPUs: ddp, zero2, zero3, Qwen2.5-1.5B arch
+    python3 -m benchmarks.multi_gpu.bench_multi_gpu --tiny --configs cpu_ddp         # CPU processes over gloo, tiny model
+    python3 -m benchmarks.multi_gpu.bench_multi_gpu --rollout --processes 1          # GPUs: the engine under ZeRO-3 / ZeRO-2 /
                                                                           # FSDP2 vs TRL's path under ZeRO-3, 0.5B arch
-    python3 -m benchmarks.bench_multi_gpu --rollout --variable-lengths --processes 1   # every launch config at DAPO's
+    python3 -m benchmarks.multi_gpu.bench_multi_gpu --rollout --variable-lengths --processes 1   # every launch config at DAPO's
                                                                           # lengths (1.5B arch, up to 4,096 tokens)
 
 For each accelerate config it launches `multi_gpu_worker.py` once with 1 process and once with N, then reports the
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).parent
-ACCELERATE_CONFIGS = HERE.parent / "recipes" / "accelerate"
+ROOT = Path(__file__).parents[2]  # the repository root: the ranks run from it
+ACCELERATE_CONFIGS = ROOT / "recipes" / "accelerate"
 
 
 def free_port() -> int:
@@ -49,11 +49,11 @@ def launch(config: str, processes: int, model: str, output: Path, steps: int, *w
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIGS / f"{config}.yaml"),
         "--num_processes", str(processes), "--main_process_port", str(free_port()),
-        "-m", "benchmarks.multi_gpu_worker", "--model", model, "--output", str(output), "--steps", str(steps),
+        "-m", "benchmarks.multi_gpu.multi_gpu_worker", "--model", model, "--output", str(output), "--steps", str(steps),
         *worker_args,
     ]  # fmt: skip
     environment = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-    result = subprocess.run(command, cwd=HERE.parent, env=environment, capture_output=True, text=True, timeout=1800)
+    result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         raise RuntimeError(f"{config} with {processes} processes failed:\n{result.stderr[-4000:]}")
     return [json.loads(Path(f"{output}.rank{r}.json").read_text()) for r in range(processes)]
@@ -162,7 +162,7 @@ def output_path(output: str | None, tiny: bool, rollout: bool, device: str, scra
     """`--output`, else `benchmarks/results/` for a measurement and the run's scratch folder for a `--tiny` smoke run
     (which would otherwise leave an untracked file among the measured results)."""
     name = f"bench_multi_gpu{'_rollout' if rollout else ''}_{device}.json"
-    return Path(output) if output else (scratch if tiny else HERE / "results") / name
+    return Path(output) if output else (scratch if tiny else ROOT / "benchmarks" / "results") / name
 
 
 def main() -> None:

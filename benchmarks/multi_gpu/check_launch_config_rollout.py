@@ -1,8 +1,8 @@
 """Why a launch config's first rollout differs from single_gpu's: what the paged engine read at its first generation.
 
-    python3 -m benchmarks.check_launch_config_rollout                   # CUDA: single_gpu, zero3, single_gpu again
-    python3 -m benchmarks.check_launch_config_rollout --lora            # the same with the LoRA arguments
-    python3 -m benchmarks.check_launch_config_rollout --engine-dtype bfloat16   # CPU: the engine in bf16 as on CUDA
+    python3 -m benchmarks.multi_gpu.check_launch_config_rollout                   # CUDA: single_gpu, zero3, single_gpu again
+    python3 -m benchmarks.multi_gpu.check_launch_config_rollout --lora            # the same with the LoRA arguments
+    python3 -m benchmarks.multi_gpu.check_launch_config_rollout --engine-dtype bfloat16   # CPU: the engine in bf16 as on CUDA
 
 `tests/test_launch_configs_cuda.py` trains the math recipe from one warm-started tiny model under each accelerate
 config; before any update every config's engine should sample the same completions. This runs the recipe with the
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_multi_gpu import free_port
 from benchmarks.core.result_file import ResultFile, default_output, finish
+from benchmarks.multi_gpu.bench_multi_gpu import free_port
 
-ROOT = Path(__file__).parent.parent
-WORKER = ROOT / "benchmarks" / "launch_config_rollout_worker.py"
+ROOT = Path(__file__).parents[2]
+WORKER = Path(__file__).with_name("launch_config_rollout_worker.py")
 LORA = ("--use_peft", "--lora_r", "8", "--lora_alpha", "16")
 
 

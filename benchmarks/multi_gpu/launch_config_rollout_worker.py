@@ -1,9 +1,9 @@
 """One process of `check_launch_config_rollout.py`: runs `recipes/dapo_math.py` with its arguments under `accelerate
 launch` until the paged engine's first generation, saves what that generation read and returned, and exits.
 
-Usage (the driver builds it): `accelerate launch ... benchmarks/launch_config_rollout_worker.py DUMP ENGINE_DTYPE
-recipes/dapo_math.py RECIPE_ARGS...`. `ENGINE_DTYPE`: `default` (the engine's own choice: bf16 on CUDA, float32 on
-the CPU) or `bfloat16` (also on the CPU, to compare the CUDA set-up's numerics there).
+Usage (the driver builds it): `accelerate launch ... benchmarks/multi_gpu/launch_config_rollout_worker.py DUMP
+ENGINE_DTYPE recipes/dapo_math.py RECIPE_ARGS...`. `ENGINE_DTYPE`: `default` (the engine's own choice: bf16 on CUDA,
+float32 on the CPU) or `bfloat16` (also on the CPU, to compare the CUDA set-up's numerics there).
 
 Saved to DUMP (torch.save): the engine's weight snapshot (every tensor), the rotary module's buffers and the cos / sin
 tables the engine decoded with, the state of the generator `sampling_noise` draws from (CUDA's on CUDA) just before the
