@@ -88,8 +88,8 @@ def test_bench_step_fair_gives_every_kind_the_same_work_micro_batch_and_steps(tm
     generation path (so each samples the same 64 tokens a step), SDPA attention recorded (the CPU has no FlashAttention),
     no Liger; the steps per generated token are the step over those 64 tokens."""
     stdout, results = run_tiny(
-        "trainer.bench_step", tmp_path, "--variable-lengths", "--fair", "--kinds", "trl", "dapo", "trl_cb", "--prompts", "2",
-        "--generations", "4", "--ga", "2", "--new-tokens", "8",
+        "trainer.bench_step", tmp_path, "--variable-lengths", "--fair", "--kinds", "trl", "dapo", "trl_cb",
+        "--prompts", "2", "--generations", "4", "--ga", "2", "--new-tokens", "8",
     )  # fmt: skip
     assert (results["setup"]["fair"], results["setup"]["pin_lengths"], results["setup"]["attention"]) == (
         "True", "True", "sdpa",
@@ -109,7 +109,8 @@ def test_bench_step_fair_gives_every_kind_the_same_work_micro_batch_and_steps(tm
 
 def test_bench_step_refuses_liger_where_it_is_not_installed(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.trainer.bench_step", "--tiny", "--liger", "--output", str(tmp_path / "out.json")],
+        [sys.executable, "-m", "benchmarks.trainer.bench_step", "--tiny", "--liger",
+         "--output", str(tmp_path / "out.json")],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode != 0 and "--liger: the liger_kernel package is not installed" in done.stderr
@@ -556,8 +557,8 @@ def test_check_launch_config_rollout_finds_zero3_first_rollout_equal_to_single_g
     output = tmp_path / "configs.json"
     for engine_dtype, zero3_differs in (("bfloat16", set()), ("default", {"snapshot", "logprobs"})):
         command = [
-            sys.executable, "-m", "benchmarks.multi_gpu.check_launch_config_rollout", "--configs", "single_gpu", "zero3",
-            "--engine-dtype", engine_dtype, "--output", str(output),
+            sys.executable, "-m", "benchmarks.multi_gpu.check_launch_config_rollout",
+            "--configs", "single_gpu", "zero3", "--engine-dtype", engine_dtype, "--output", str(output),
         ]  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -1,5 +1,5 @@
-"""The GPU kit (benchmarks/kit/gpu_kit.py) on small fake files: calls packed as the bytes allow, parts that join back to
-the file and are checked, wheels installed only where the machine lacks them, and installs that can be repeated."""
+"""The GPU kit (benchmarks/kit/gpu_kit.py) on small fake files: calls packed as the bytes allow, parts that join back
+to the file and are checked, wheels installed only where the machine lacks them, and installs that can be repeated."""
 
 import hashlib
 import io

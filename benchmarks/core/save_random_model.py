@@ -2,7 +2,8 @@
 path (the math recipe's `--model_name_or_path`, vLLM) on a machine without the hub.
 
     python3 -m benchmarks.core.save_random_model --model qwen2.5-7b-v2048 --output /tmp/qwen2.5-7b-v2048
-    python3 -m benchmarks.core.save_random_model --model qwen2.5-7b --output /tmp/qwen2.5-7b --dtype bfloat16 --device cuda
+    python3 -m benchmarks.core.save_random_model --model qwen2.5-7b --output /tmp/qwen2.5-7b --dtype bfloat16 \\
+        --device cuda
 
 `--dtype bfloat16` halves the folder (Qwen2.5-7B: about 15 GB instead of 30); `--device cuda` draws the weights on
 the GPU, seconds where a 7B model takes minutes on the host (another generator: other weights than the host's).

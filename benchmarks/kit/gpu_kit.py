@@ -9,7 +9,7 @@ writes `.kit/call-1`, `.kit/call-2`, ... (one folder to carry per call) and prin
 every call (it copies what arrived to /tmp/kit, joins and installs what is complete, and prints the line to eval):
 
     eval "$(python3 -m benchmarks.kit.gpu_kit install)"
-    python3 -m benchmarks.kit.gpu_kit install --check      # the first call: imports and versions, then a CUDA check
+    python3 -m benchmarks.kit.gpu_kit install --check  # the first call: imports and versions, then a CUDA check
 
 This module is the machine's side and imports the standard library alone; the build, `gpu_kit_build`, imports it.
 """

@@ -1,12 +1,14 @@
 """Data parallelism for DAPO: N ranks against 1 on the same generation batch, under DDP, ZeRO-2 and ZeRO-3; and
 generation speed with sharded weights.
 
-    python3 -m benchmarks.multi_gpu.bench_multi_gpu --processes 2                    # GPUs: ddp, zero2, zero3, Qwen2.5-1.5B arch
-    python3 -m benchmarks.multi_gpu.bench_multi_gpu --tiny --configs cpu_ddp         # CPU processes over gloo, tiny model
-    python3 -m benchmarks.multi_gpu.bench_multi_gpu --rollout --processes 1          # GPUs: the engine under ZeRO-3 / ZeRO-2 /
-                                                                          # FSDP2 vs TRL's path under ZeRO-3, 0.5B arch
-    python3 -m benchmarks.multi_gpu.bench_multi_gpu --rollout --variable-lengths --processes 1   # every launch config at DAPO's
-                                                                          # lengths (1.5B arch, up to 4,096 tokens)
+    # GPUs: ddp, zero2, zero3, Qwen2.5-1.5B arch
+    python3 -m benchmarks.multi_gpu.bench_multi_gpu --processes 2
+    # CPU processes over gloo, tiny model
+    python3 -m benchmarks.multi_gpu.bench_multi_gpu --tiny --configs cpu_ddp
+    # GPUs: the engine under ZeRO-3 / ZeRO-2 / FSDP2 vs TRL's path under ZeRO-3, 0.5B arch
+    python3 -m benchmarks.multi_gpu.bench_multi_gpu --rollout --processes 1
+    # every launch config at DAPO's lengths (1.5B arch, up to 4,096 tokens)
+    python3 -m benchmarks.multi_gpu.bench_multi_gpu --rollout --variable-lengths --processes 1
 
 For each accelerate config it launches `multi_gpu_worker.py` once with 1 process and once with N, then reports the
 relative difference of the parameter updates (‖Δ_N − Δ_1‖ / ‖Δ_1‖), the step-time speed-up and the peak memory per
@@ -49,8 +51,8 @@ def launch(config: str, processes: int, model: str, output: Path, steps: int, *w
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIGS / f"{config}.yaml"),
         "--num_processes", str(processes), "--main_process_port", str(free_port()),
-        "-m", "benchmarks.multi_gpu.multi_gpu_worker", "--model", model, "--output", str(output), "--steps", str(steps),
-        *worker_args,
+        "-m", "benchmarks.multi_gpu.multi_gpu_worker",
+        "--model", model, "--output", str(output), "--steps", str(steps), *worker_args,
     ]  # fmt: skip
     environment = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=1800)

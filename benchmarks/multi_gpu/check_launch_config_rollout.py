@@ -1,8 +1,11 @@
 """Why a launch config's first rollout differs from single_gpu's: what the paged engine read at its first generation.
 
-    python3 -m benchmarks.multi_gpu.check_launch_config_rollout                   # CUDA: single_gpu, zero3, single_gpu again
-    python3 -m benchmarks.multi_gpu.check_launch_config_rollout --lora            # the same with the LoRA arguments
-    python3 -m benchmarks.multi_gpu.check_launch_config_rollout --engine-dtype bfloat16   # CPU: the engine in bf16 as on CUDA
+    # CUDA: single_gpu, zero3, single_gpu again
+    python3 -m benchmarks.multi_gpu.check_launch_config_rollout
+    # the same with the LoRA arguments
+    python3 -m benchmarks.multi_gpu.check_launch_config_rollout --lora
+    # CPU: the engine in bf16 as on CUDA
+    python3 -m benchmarks.multi_gpu.check_launch_config_rollout --engine-dtype bfloat16
 
 `tests/test_launch_configs_cuda.py` trains the math recipe from one warm-started tiny model under each accelerate
 config; before any update every config's engine should sample the same completions. This runs the recipe with the

@@ -1,8 +1,8 @@
 """What several ranks sharing one GPU can run: which process-group backend and collectives on CUDA tensors, and which
 of the recipes' sharding strategies (DDP, FSDP2, DeepSpeed ZeRO-2/3) train a step there.
 
-    python3 -m benchmarks.multi_gpu.check_shared_gpu                 # 2 ranks on the first GPU
-    python3 -m benchmarks.multi_gpu.check_shared_gpu --tiny          # the same on CPU ranks (a check of the script)
+    python3 -m benchmarks.multi_gpu.check_shared_gpu         # 2 ranks on the first GPU
+    python3 -m benchmarks.multi_gpu.check_shared_gpu --tiny  # the same on CPU ranks (a check of the script)
 
 Each check starts its own ranks (every one with LOCAL_RANK 0, so all sit on the first device) and must end within
 `--timeout` seconds; a rank that fails or hangs marks the check failed with its error. Prints a table last and writes

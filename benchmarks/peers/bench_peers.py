@@ -3,11 +3,11 @@ for offline throughput) and transformers' continuous batching as TRL's `use_tran
 it, on the same checkpoint, prompts, sampling (temperature 1, top-p 1) and, by default, the same per-row lengths, one
 engine per process.
 
-    python3 -m benchmarks.peers.bench_peers                                   # CUDA: every default shape, every engine
+    python3 -m benchmarks.peers.bench_peers          # CUDA: every default shape, every engine
     python3 -m benchmarks.peers.bench_peers --shapes qwen2.5-1.5b-v2048@128x8192 --engines paged vllm
-    python3 -m benchmarks.peers.bench_peers --smoke                           # CUDA: every engine, one small shape, vLLM profiled
+    python3 -m benchmarks.peers.bench_peers --smoke  # CUDA: every engine, one small shape, vLLM profiled
     python3 -m benchmarks.peers.bench_peers --profile --shapes qwen2.5-1.5b-v2048@128x8192   # kernels per decode step
-    python3 -m benchmarks.peers.bench_peers --tiny                            # CPU smoke run: paged and cb, tiny model
+    python3 -m benchmarks.peers.bench_peers --tiny   # CPU smoke run: paged and cb, tiny model
 
 A shape is `MODEL@ROWSxNEW[pPROMPT][-fixed|-free][-math]`: MODEL a config of `benchmarks/configs` (random init, saved
 once in bf16 with its word tokenizer: `save_random_model.py`), `smollm2` (SmolLM2-135M-Instruct dequantised from the

@@ -1,6 +1,6 @@
 """Paged decode attention on one GPU: trl-dapo's Triton kernel against PyTorch's FlexAttention and the reference.
 
-    python3 -m benchmarks.rollout.bench_attention                  # CUDA
+    python3 -m benchmarks.rollout.bench_attention  # CUDA
 
 One new token per row over a paged KV cache (pages of `--page-size` tokens scattered through a pool), at the head
 layouts of Qwen2.5-0.5B (14 query / 2 KV heads, dim 64), 1.5B (12 / 2, dim 128) and 7B (28 / 4, dim 128). For each

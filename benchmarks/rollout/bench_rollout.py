@@ -1,7 +1,7 @@
 """The rollout engine in DAPO's real regime, beside HF `generate` (TRL's path) in one process.
 
     python3 -m benchmarks.rollout.bench_rollout --models qwen2.5-0.5b --shapes 128x256-fixed 128x1024 1024x8192
-    python3 -m benchmarks.rollout.bench_rollout --tiny          # CPU smoke run on the tiny local model (fp32, eager)
+    python3 -m benchmarks.rollout.bench_rollout --tiny  # CPU smoke run on the tiny local model (fp32, eager)
 
 A shape is `ROWSxNEW[pPROMPT][-fixed][-lora][=ENGINE,...]`: ROWS rows of PROMPT-token prompts (default 256; 32 for
 fixed shapes) in groups of 16 identical prompts, as DAPO samples them, with random ids in [3, vocab), generating up

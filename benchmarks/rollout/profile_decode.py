@@ -1,9 +1,10 @@
 """Where the paged engine's decode step spends its device time.
 
-    python3 -m benchmarks.rollout.profile_decode                                  # 7B + LoRA at 64 x 512, 0.5B at 128 x 256
+    python3 -m benchmarks.rollout.profile_decode         # 7B + LoRA at 64 x 512, 0.5B at 128 x 256
     python3 -m benchmarks.rollout.profile_decode --models qwen2.5-1.5b@128x256
-    python3 -m benchmarks.rollout.profile_decode --models qwen2.5-7b@128x512 qwen2.5-7b:fp8kv@128x512 qwen2.5-7b:fp8@128x512
-    python3 -m benchmarks.rollout.profile_decode --tiny                           # CPU smoke run on the tiny local model
+    python3 -m benchmarks.rollout.profile_decode --models qwen2.5-7b@128x512 qwen2.5-7b:fp8kv@128x512 \\
+        qwen2.5-7b:fp8@128x512
+    python3 -m benchmarks.rollout.profile_decode --tiny  # CPU smoke run on the tiny local model
 
 A model is `NAME[:lora][:fp8kv|:fp8]@ROWSxNEW`: the config (`configs/NAME.json`; `:lora` wraps it in a LoRA r=16
 adapter, which the engine merges; `:fp8kv` gives the engine an FP8 KV cache, `:fp8` FP8 weights too, and skips the

@@ -2,10 +2,10 @@
 fixed vs adaptive (`dynamic_sampling_oversample="auto"`) sizing and surplus reuse on and off, and streaming
 (`dynamic_sampling_mode="stream"`) with rows in flight carried, finished or dropped when the batch is full.
 
-    python3 -m benchmarks.trainer.bench_sampling --models qwen2.5-0.5b     # CUDA: random-init Qwen2.5-0.5B architecture
+    python3 -m benchmarks.trainer.bench_sampling --models qwen2.5-0.5b  # CUDA: random-init Qwen2.5-0.5B architecture
     python3 -m benchmarks.trainer.bench_sampling --variable-lengths --max-surplus-age 2 \\
         --sampling-modes auto:True stream:carry stream:finish     # CUDA: lengths up to 4,096, stream vs rounds
-    python3 -m benchmarks.trainer.bench_sampling --tiny                    # CPU smoke run on the tiny local model
+    python3 -m benchmarks.trainer.bench_sampling --tiny                 # CPU smoke run on the tiny local model
 
 A mode is `OVERSAMPLE:SURPLUS` (rounds: `dynamic_sampling_oversample`, `dynamic_sampling_keep_surplus`) or
 `stream:IN_FLIGHT` (`dynamic_sampling_in_flight`: finish, drop or carry; surplus kept). Every run generates with the

@@ -1,15 +1,22 @@
 """DAPOTrainer against TRL's GRPOTrainer, step for step, on one device; DAPO with gradient checkpointing, with LoRA and
 with the old policy recomputed; training MFU and decode bandwidth use against the measured hardware ceilings.
 
-    python3 -m benchmarks.trainer.bench_step                       # CUDA: Qwen2.5-0.5B and 1.5B architectures, random init
-    python3 -m benchmarks.trainer.bench_step --variable-lengths    # CUDA: 0.5B, 2,048-token vocabulary, up to 4,096 tokens
-    python3 -m benchmarks.trainer.bench_step --tiny                # CPU smoke run on the tiny local model
-    python3 -m benchmarks.trainer.bench_step --variable-lengths --kinds dapo dapo_partial dapo_stream_carry  # partial rollouts
-    python3 -m benchmarks.trainer.bench_step --variable-lengths --kinds dapo dapo_partial dapo_partial_kept --carry-max-rows 256
-        # partial rollouts re-prefilling their carried rows and keeping their KV, in a slot pool twice the batch's
-    python3 -m benchmarks.trainer.bench_step --variable-lengths --kinds dapo dapo_fp8 dapo_fp8_partial  # FP8 rollouts
-    python3 -m benchmarks.trainer.bench_step --variable-lengths --fair --new-tokens 2048 --micro-batches 16 \
-        --kinds dapo trl_vllm dapo_vllm trl_cb   # equal work against TRL with vLLM and continuous batching
+    # CUDA: Qwen2.5-0.5B and 1.5B architectures, random init
+    python3 -m benchmarks.trainer.bench_step
+    # CUDA: 0.5B, 2,048-token vocabulary, up to 4,096 tokens
+    python3 -m benchmarks.trainer.bench_step --variable-lengths
+    # CPU smoke run on the tiny local model
+    python3 -m benchmarks.trainer.bench_step --tiny
+    # partial rollouts
+    python3 -m benchmarks.trainer.bench_step --variable-lengths --kinds dapo dapo_partial dapo_stream_carry
+    # partial rollouts re-prefilling their carried rows and keeping their KV, in a slot pool twice the batch's
+    python3 -m benchmarks.trainer.bench_step --variable-lengths --kinds dapo dapo_partial dapo_partial_kept \\
+        --carry-max-rows 256
+    # FP8 rollouts
+    python3 -m benchmarks.trainer.bench_step --variable-lengths --kinds dapo dapo_fp8 dapo_fp8_partial
+    # equal work against TRL with vLLM and continuous batching
+    python3 -m benchmarks.trainer.bench_step --variable-lengths --fair --new-tokens 2048 --micro-batches 16 \\
+        --kinds dapo trl_vllm dapo_vllm trl_cb
 
 Both trainers get the same random-init model, prompts, batch geometry and seed. By default generation lengths are
 pinned (`--pin-lengths`: `min_new_tokens = max_completion_length`, vLLM's `min_tokens`, no end token for continuous

@@ -1,6 +1,6 @@
 """Training attention (forward + backward) over one micro-batch of DAPO's uneven rows: padded against packed.
 
-    python3 -m benchmarks.trainer.bench_training_attention         # CUDA
+    python3 -m benchmarks.trainer.bench_training_attention  # CUDA
 
 Rows of a 256-token prompt and a completion of geometric length (mean about 2,000, capped at the maximum), at the
 head layouts of Qwen2.5-0.5B and 1.5B. Candidates, one attention layer each, bf16, forward + backward:
