@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.core.workload import geometric_lengths
+
 ROOT = Path(__file__).parent.parent
 # The tiny local model (trl_dapo.testing): vocabulary 366, hidden 64, MLP 128, 2 layers, 4 query / 2 key-value heads
 # of 16 dims, q/k/v biases, tied embeddings. Parameters: per layer q 64*64+64, k and v 64*32+32 each, o 64*64,
@@ -30,7 +32,7 @@ def run_tiny(script: str, tmp_path: Path, *arguments: str) -> tuple[str, dict]:
 
 def test_bench_step_tiny_writes_finite_ratios(tmp_path):
     stdout, results = run_tiny(
-        "bench_step", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",
+        "trainer.bench_step", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",
         "--steps", "1", "trl=2", "--warmup", "1", "--profile",
     )  # fmt: skip
     assert "| tiny | DAPO/TRL |" in stdout
@@ -54,7 +56,7 @@ def test_bench_step_tiny_writes_finite_ratios(tmp_path):
 
 def test_bench_step_variable_lengths_counts_generated_tokens(tmp_path):
     _, results = run_tiny(
-        "bench_step", tmp_path, "--variable-lengths", "--prompts", "2", "--generations", "4", "--ga", "1",
+        "trainer.bench_step", tmp_path, "--variable-lengths", "--prompts", "2", "--generations", "4", "--ga", "1",
         "--new-tokens", "200", "--warmup", "0",
     )  # fmt: skip
     assert results["setup"]["pin_lengths"] == "False" and results["setup"]["gradient_checkpointing"] == "True"
@@ -80,13 +82,48 @@ def test_bench_step_variable_lengths_counts_generated_tokens(tmp_path):
         )
 
 
+def test_bench_step_fair_gives_every_kind_the_same_work_micro_batch_and_steps(tmp_path):
+    """`--fair` on the CPU: GRPOTrainer with `generate` and with continuous batching beside DAPOTrainer, every kind one
+    warm-up step and two measured steps at micro-batch 4 (8 rows, GA 2), every row pinned to 8 tokens on each kind's
+    generation path (so each samples the same 64 tokens a step), SDPA attention recorded (the CPU has no FlashAttention),
+    no Liger; the steps per generated token are the step over those 64 tokens."""
+    stdout, results = run_tiny(
+        "trainer.bench_step", tmp_path, "--variable-lengths", "--fair", "--kinds", "trl", "dapo", "trl_cb",
+        "--prompts", "2", "--generations", "4", "--ga", "2", "--new-tokens", "8",
+    )  # fmt: skip
+    assert (results["setup"]["fair"], results["setup"]["pin_lengths"], results["setup"]["attention"]) == (
+        "True", "True", "sdpa",
+    )  # fmt: skip
+    models = results["models"]["tiny"]
+    for kind in ("trl", "dapo", "trl_cb"):
+        run = models[kind]
+        assert (run["warmup_steps"], len(run["step_times_s"]), run["micro_batch"]) == (1, 2, 4), kind
+        assert run["completion_tokens_per_step"] == 8 * 8, kind
+        assert run["step_us_per_token"] == pytest.approx(1e6 * run["step_s"] / 64)
+        assert (run["attention"], run["liger"], run["vllm_sleep"]) == ("sdpa", False, None)
+    assert models["ratio_dapo_over_trl_cb"]["step_us_per_token"] == pytest.approx(
+        models["dapo"]["step_us_per_token"] / models["trl_cb"]["step_us_per_token"]
+    )
+    assert "| tiny | trl_cb (micro-batch 4, warm-up 1, sdpa) |" in stdout and "| tiny | dapo/trl_cb |" in stdout
+
+
+def test_bench_step_refuses_liger_where_it_is_not_installed(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.trainer.bench_step", "--tiny", "--liger",
+         "--output", str(tmp_path / "out.json")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode != 0 and "--liger: the liger_kernel package is not installed" in done.stderr
+    assert not (tmp_path / "out.json").exists()  # refused before anything ran
+
+
 def test_bench_step_counts_the_rows_stream_mode_carries_from_one_step_into_the_next(tmp_path):
     """`dapo_stream_carry` on the CPU (the paged engine, eager): 16 slots for batches of 4 groups of 2, so the stream
     keeps more groups in flight than a batch needs and stops with rows unfinished; the next step's stream resumes
     exactly their tokens (carried groups never age out by default), prefilling each resumed row's prompt (every prompt
     is 27 tokens: 24 words in the chat template) and tokens again."""
     _, results = run_tiny(
-        "bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo_stream_carry", "--prompts", "4",
+        "trainer.bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo_stream_carry", "--prompts", "4",
         "--generations", "2", "--ga", "1", "--new-tokens", "96", "--max-rows", "16", "--warmup", "0", "--steps", "2",
     )  # fmt: skip
     setup = results["setup"]
@@ -123,7 +160,7 @@ def test_bench_step_runs_partial_rollouts_beside_dapo_and_reports_what_they_carr
     the logged carried rows are the rows left in flight (none waited without a slot), and the tokens they brought
     are trained as sampled by an earlier step."""
     stdout, results = run_tiny(
-        "bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo", "dapo_partial", "--prompts", "4",
+        "trainer.bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo", "dapo_partial", "--prompts", "4",
         "--generations", "2", "--ga", "1", "--new-tokens", "300", "--max-rows", "16", "--max-in-flight", "2",
         "--warmup", "0", "--steps", "4", "dapo=1",
     )  # fmt: skip
@@ -152,7 +189,7 @@ def test_bench_step_runs_partial_rollouts_keeping_their_kv_beside_dapo(tmp_path)
     own pool is 8): every row one call leaves decoding continues in the next from its kept KV, with no prefill; the
     prefill it saved is each one's prompt (27 tokens) and tokens."""
     stdout, results = run_tiny(
-        "bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo", "dapo_partial_kept", "--prompts", "4",
+        "trainer.bench_step", tmp_path, "--variable-lengths", "--kinds", "dapo", "dapo_partial_kept", "--prompts", "4",
         "--generations", "2", "--ga", "1", "--new-tokens", "300", "--max-rows", "8", "--carry-max-rows", "16",
         "--max-in-flight", "2", "--keep-cache", "0.01", "--warmup", "0", "--steps", "4", "dapo=1",
     )  # fmt: skip
@@ -171,7 +208,7 @@ def test_bench_step_runs_partial_rollouts_keeping_their_kv_beside_dapo(tmp_path)
 
 def test_bench_sampling_tiny_runs_each_mode(tmp_path):
     _, results = run_tiny(
-        "bench_sampling", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",
+        "trainer.bench_sampling", tmp_path, "--prompts", "4", "--generations", "4", "--new-tokens", "6", "--ga", "2",
         "--steps", "2", "--max-rows", "16", "--sampling-fractions", "0.5",
         "--sampling-modes", "1.0:True", "auto:False", "stream:finish", "stream:drop", "stream:carry",
     )  # fmt: skip
@@ -193,7 +230,7 @@ def test_bench_sampling_tiny_runs_each_mode(tmp_path):
 
 def test_bench_rollout_tiny_counts_tokens_and_bandwidth_floor(tmp_path):
     shapes = ("32x16p8-fixed", "16x96p8", "16x8p8-fixed-lora")
-    stdout, results = run_tiny("bench_rollout", tmp_path, "--shapes", *shapes)
+    stdout, results = run_tiny("rollout.bench_rollout", tmp_path, "--shapes", *shapes)
     by_shape = {}
     for r in results["results"]:
         assert "error" not in r, r
@@ -218,50 +255,115 @@ def test_bench_rollout_tiny_counts_tokens_and_bandwidth_floor(tmp_path):
     assert all(r["bandwidth_use"] > 0 for runs in by_shape.values() for r in runs.values())
 
 
-def test_bench_peers_tiny_runs_each_engine_on_the_same_prompts_and_a_rerun_skips_them(tmp_path):
+def test_bench_peers_tiny_gives_every_engine_the_same_lengths_and_a_rerun_skips_them(tmp_path):
     """`bench_peers.py` on the CPU: the paged engine and continuous batching (through TRL's own generation path), each
-    in its own process, on the same saved tiny model and prompt ids; then each engine's logprob gap to the training
-    forward in a fresh process, and (`--smoke`) the paged engine's kernel profile. In float32 the paged engine's
-    logprobs are the training forward's up to summation order; with lengths pinned (`-fixed`) it blocks the end token,
-    so each logprob is the renormalised distribution's, log p - log(1 - p_end): a gap of -log(1 - p_end) > 0 per
-    token (about 1/366 on the random tiny model)."""
-    arguments = ["--smoke", "--shapes", "tiny@8x16p8", "tiny@4x6-fixed-math", "--checkpoints", str(tmp_path / "ck"),
+    in its own process, on the same saved tiny model and prompt ids, 3 measured calls each; then each engine's logprob
+    gap to the training forward in a fresh process, and (`--smoke`) the paged engine's kernel profile.
+
+    Shared lengths (the default): one list drawn from the random model's end-token distribution (probability 1/366
+    a step, capped at 96: about a fifth of the rows end earlier), kept in the JSON, and every engine generates exactly
+    those lengths in every call. `-fixed`: every row 6 tokens. `-free`: each engine to its own end tokens. In float32
+    the paged engine's logprobs are the training forward's up to summation order; with the end token blocked (shared
+    and fixed lengths) each is the renormalised distribution's, log p - log(1 - p_end): a gap of -log(1 - p_end) > 0
+    per token (about 1/366 on the random tiny model)."""
+    shapes = ["tiny@16x96p8", "tiny@4x6-fixed-math", "tiny@8x16p8-free"]
+    arguments = ["--smoke", "--shapes", *shapes, "--checkpoints", str(tmp_path / "ck"),
                  "--samples", str(tmp_path / "samples")]  # fmt: skip
-    stdout, results = run_tiny("bench_peers", tmp_path, *arguments)
+    stdout, results = run_tiny("peers.bench_peers", tmp_path, *arguments)
     records = {(r["shape"], r["engine"], r["kind"]): r for r in results["results"]}
-    assert set(records) == {
-        (shape, engine, "generate") for shape in ("tiny@8x16p8", "tiny@4x6-fixed-math") for engine in ("paged", "cb")
-    } | {("tiny@8x16p8", "paged", "profile")}
+    assert set(records) == {(shape, engine, "generate") for shape in shapes for engine in ("paged", "cb")} | {
+        ("tiny@16x96p8", "paged", "profile")
+    }
+    shared = results["lengths"]["tiny@16x96p8"]
+    assert shared["source"] == "geometric" and shared["end_probability"] == pytest.approx(1 / 366)
+    assert shared["lengths"] == geometric_lengths(16, 96, 1 / 366, seed=0) and min(shared["lengths"]) < 96
+    assert set(results["lengths"]) == {"tiny@16x96p8"}  # fixed and free lengths are not drawn
+    expected = {"tiny@16x96p8": shared["lengths"], "tiny@4x6-fixed-math": [6] * 4}
     for (shape, engine, kind), r in records.items():
         assert r["status"] == "ok", r
-        if kind == "profile":  # 16 pinned tokens: the first from the prefill, then 15 decode steps
-            assert r["profiled_tokens"] == 16 and r["profile"]["us_per_step"] > 0 and 0 < r["prefill_share"] < 1
+        if kind == "profile":  # 64 tokens every row: the first from the prefill, then 63 decode steps
+            assert r["profiled_tokens"] == 64 and r["profile"]["us_per_step"] > 0 and 0 < r["prefill_share"] < 1
             continue
         samples = torch.load(r["samples"])
         lengths = samples["lengths"].tolist()
         assert r["useful_tokens"] == sum(lengths) == len(samples["tokens"]) and max(lengths) <= r["new_tokens"]
-        assert r["tokens_per_s"] == pytest.approx(r["useful_tokens"] / r["seconds"])
+        assert len(r["calls"]) == 3 and r["tokens_per_s"] == pytest.approx(r["useful_tokens"] / r["seconds"])
+        speeds = sorted(call["tokens_per_s"] for call in r["calls"])
+        assert r["tokens_per_s_spread"] == {"median": speeds[1], "min": speeds[0], "max": speeds[2]}
+        assert r["tokens_per_s"] == speeds[1]  # the median call's samples are kept
+        assert r["ms_per_step"] == pytest.approx(1e3 * r["seconds"] / max(lengths))
         longest = sorted(lengths, reverse=True)  # steps with under a quarter of the rows running
         assert r["tail_steps"] == longest[0] - longest[math.ceil(len(lengths) / 4) - 1]
+        if shape in expected:  # every engine, every call: exactly the shape's lengths
+            assert lengths == expected[shape] and r["lengths_match"] is True
+        else:
+            assert r["lengths_match"] is None
         gap = r["logprob_gap"]
         assert gap["status"] == "ok" and gap["returned"] == (engine == "paged")
-        if shape == "tiny@4x6-fixed-math":
-            assert lengths == [6] * 4
-            assert engine == "cb" or 1e-4 < gap["mean"] <= gap["max"] < 0.05
+        if engine == "paged" and shape in expected:
+            assert gap["tokens"] == sum(lengths) and 1e-4 < gap["mean"] <= gap["max"] < 0.05
         elif engine == "paged":
             assert gap["tokens"] == sum(lengths) and gap["max"] < 1e-4
-    for shape in ("tiny@8x16p8", "tiny@4x6-fixed-math"):
+    for shape in shapes:
         paged, cb = (torch.load(records[(shape, e, "generate")]["samples"])["prompts"] for e in ("paged", "cb"))
         assert paged == cb and len(paged) == records[(shape, "paged", "generate")]["rows"]
-    assert paged[0][0] == 1 and len(set(map(tuple, paged))) == 1  # <|im_start|>: the chat template; one group
-    assert "| tiny@8x16p8 | paged |" in stdout and "none returned" in stdout
-    _, again = run_tiny("bench_peers", tmp_path, *arguments, "--skip-done")
-    assert again["results"] == results["results"]
+    math_prompts = torch.load(records[("tiny@4x6-fixed-math", "paged", "generate")]["samples"])["prompts"]
+    assert math_prompts[0][0] == 1 and len(set(map(tuple, math_prompts))) == 1  # <|im_start|>: chat template; a group
+    assert "| tiny@16x96p8 | paged | shared |" in stdout and "none returned" in stdout
+    assert "- tiny@16x96p8: shared lengths (geometric" in stdout
+    _, again = run_tiny("peers.bench_peers", tmp_path, *arguments, "--skip-done")
+    assert again["results"] == results["results"] and again["lengths"] == results["lengths"]
+
+
+def test_bench_peers_measures_no_logprob_gap_with_gap_rows_0(tmp_path):
+    """`--gap-rows 0`: the engines are measured and no gap process runs (its padded batch of no rows had no width)."""
+    arguments = ["--shapes", "tiny@4x6p8", "--engines", "paged", "--repeats", "1", "--gap-rows", "0",
+                 "--checkpoints", str(tmp_path / "ck"), "--samples", str(tmp_path / "samples")]  # fmt: skip
+    _, results = run_tiny("peers.bench_peers", tmp_path, *arguments)
+    (record,) = results["results"]
+    assert record["status"] == "ok" and "logprob_gap" not in record
+    assert not list((tmp_path / "samples").glob("*gaps*"))
+
+
+def test_continuous_batching_gives_each_row_its_length_and_reports_rows_as_they_finish(tmp_path):
+    """Transformers' continuous batching through TRL's `_generate_single_turn`, each request given its row's exact
+    length as its manager receives it (rows of one prompt in row order), and every finished row reported, the last
+    report holding every row and token: what a call cut off by a time limit reports instead of nothing."""
+    from benchmarks.core.workload import CPU_CB_CONFIG
+    from benchmarks.peers.peer_engines import ContinuousBatchingPeer
+    from trl_dapo.tiny_model import build_tiny_model
+
+    build_tiny_model(tmp_path / "tiny")
+    engine = ContinuousBatchingPeer(
+        tmp_path / "tiny", rows=8, exact_lengths=True, device="cpu", max_new_tokens=12, memory_fraction=0.5,
+        cb_config=CPU_CB_CONFIG,
+    )  # fmt: skip
+    reports = []
+    engine.report = lambda rows, tokens: reports.append((rows, tokens))
+    prompts = [[5, 6, 7]] * 4 + [[8, 9]] * 4  # two groups of identical prompts
+    lengths = [3, 12, 1, 7, 12, 2, 9, 5]
+    generated = engine.generate(prompts, 12, lengths)
+    assert [len(c) for c in generated.completions] == lengths and generated.logprobs is None
+    assert reports[-1] == (8, sum(lengths)) and [rows for rows, _ in reports] == list(range(1, 9))
+
+
+def test_a_real_models_shared_lengths_come_from_one_unconstrained_call_of_the_paged_engine(tmp_path):
+    """The lengths a pretrained model's completions take (SmolLM2's shape): the paged engine once, seeded, to the end
+    token or the shape's maximum; the same seed gives the same lengths."""
+    from benchmarks.peers.peer_worker import measured_lengths
+    from trl_dapo.tiny_model import build_tiny_model
+
+    build_tiny_model(tmp_path / "tiny")
+    spec = {"model": "tiny", "folder": str(tmp_path / "tiny"), "device": "cpu", "rows": 16, "new_tokens": 200,
+            "prompt_tokens": 8, "math": False, "memory_fraction": 0.9, "seed": 0, "lengths": None}  # fmt: skip
+    lengths = measured_lengths(spec)["lengths"]
+    assert len(lengths) == 16 and max(lengths) <= 200 and min(lengths) < 200  # some rows sampled their end token
+    assert measured_lengths(spec)["lengths"] == lengths
 
 
 def test_profile_decode_fp8_cache_option_builds_an_fp8_engine_and_skips_the_bf16_microbenchmarks(tmp_path):
     stdout, results = run_tiny(
-        "profile_decode", tmp_path, "--models", "tiny@4x3", "tiny:fp8kv@4x3", "--calls", "1", "--context", "8"
+        "rollout.profile_decode", tmp_path, "--models", "tiny@4x3", "tiny:fp8kv@4x3", "--calls", "1", "--context", "8"
     )
     plain, fp8 = results["models"]["tiny"], results["models"]["tiny+fp8kv"]
     assert "error" not in fp8, fp8
@@ -276,14 +378,16 @@ def test_profile_decode_fp8_cache_option_builds_an_fp8_engine_and_skips_the_bf16
 
 @pytest.mark.parametrize("text", ["tiny:fp8:fp8kv@4x3", "tiny:int8@4x3", "tiny@4"])
 def test_profile_decode_refuses_a_malformed_model(text):
-    from benchmarks.profile_decode import parse_model
+    from benchmarks.rollout.profile_decode import parse_model
 
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(text)):
         parse_model(text)
 
 
 def test_profile_decode_tiny_counts_steps_and_the_products_bytes(tmp_path):
-    stdout, results = run_tiny("profile_decode", tmp_path, "--models", "tiny@16x12", "--calls", "2", "--context", "32")
+    stdout, results = run_tiny(
+        "rollout.profile_decode", tmp_path, "--models", "tiny@16x12", "--calls", "2", "--context", "32"
+    )
     run = results["models"]["tiny"]
     assert "error" not in run, run
     assert "| tiny | 16x12 |" in stdout
@@ -306,7 +410,7 @@ def test_profile_decode_tiny_counts_steps_and_the_products_bytes(tmp_path):
 def test_multi_gpu_bench_on_cpu_processes_matches_one_rank(tmp_path):
     output = tmp_path / "multi.json"
     command = [
-        sys.executable, "-m", "benchmarks.bench_multi_gpu", "--tiny", "--configs", "cpu_ddp", "--steps", "2",
+        sys.executable, "-m", "benchmarks.multi_gpu.bench_multi_gpu", "--tiny", "--configs", "cpu_ddp", "--steps", "2",
         "--output", str(output),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -322,7 +426,7 @@ def test_multi_gpu_rollout_bench_on_cpu_processes(tmp_path):
     otherwise."""
     output = tmp_path / "rollout.json"
     command = [
-        sys.executable, "-m", "benchmarks.bench_multi_gpu", "--tiny", "--rollout", "--rollout-runs",
+        sys.executable, "-m", "benchmarks.multi_gpu.bench_multi_gpu", "--tiny", "--rollout", "--rollout-runs",
         "cpu_ddp:engine", "cpu_ddp:trl", "--processes", "2", "--rows-per-step", "16", "--ga", "2", "--new-tokens", "4",
         "--steps", "2", "--output", str(output),
     ]  # fmt: skip
@@ -345,7 +449,7 @@ def test_multi_gpu_bench_runs_each_launch_config_at_variable_lengths(tmp_path):
     pytest.importorskip("deepspeed")
     output = tmp_path / "configs.json"
     command = [
-        sys.executable, "-m", "benchmarks.bench_multi_gpu", "--tiny", "--rollout", "--variable-lengths",
+        sys.executable, "-m", "benchmarks.multi_gpu.bench_multi_gpu", "--tiny", "--rollout", "--variable-lengths",
         "--rollout-runs", "single_gpu:engine", "zero2:engine", "fsdp2:engine", "--processes", "1",
         "--rows-per-step", "16", "--ga", "2", "--new-tokens", "8", "--steps", "2", "--output", str(output),
     ]  # fmt: skip
@@ -361,7 +465,7 @@ def test_multi_gpu_bench_runs_each_launch_config_at_variable_lengths(tmp_path):
 
 
 def test_check_logprob_gap_tiny_scores_every_sampled_token_and_agrees_in_float32(tmp_path):
-    stdout, results = run_tiny("check_logprob_gap", tmp_path, "--rows", "16", "--new-tokens", "40")
+    stdout, results = run_tiny("rollout.check_logprob_gap", tmp_path, "--rows", "16", "--new-tokens", "40")
     assert "| tiny | bf16_logits | bf16_head |" in stdout
     assert "- tiny rollout precision, gap mean / p99 / max against bf16_head: bf16_logits " in stdout
     for spec in ("tiny", "tiny:lora4"):
@@ -393,7 +497,7 @@ def test_check_real_model_tiny_engine_in_float32_matches_hf_float32(tmp_path):
     """With the engine in float32 its rollout logprobs are HF float32's up to summation order, its greedy completions
     are HF float32's, while HF bf16 differs: the samples, prompts and tokens line up across the sides."""
     stdout, results = run_tiny(
-        "check_real_model", tmp_path, "--engine-dtype", "float32", "--prompts", "4", "--speed-rows", "8"
+        "rollout.check_real_model", tmp_path, "--engine-dtype", "float32", "--prompts", "4", "--speed-rows", "8"
     )
     assert "errors" not in results, results["errors"]
     gaps = results["logprob_gaps"]
@@ -426,7 +530,7 @@ def test_check_real_model_tiny_engine_in_float32_matches_hf_float32(tmp_path):
 
 
 def test_check_real_model_agreement_counts_the_prefix_each_completion_shares():
-    from benchmarks.check_real_model import agreement, paired_difference
+    from benchmarks.rollout.check_real_model import agreement, paired_difference
 
     # row 0 differs by 0.1 on its first token, row 1 by 0.2 on its only one: 0.3 over 3 tokens; resampled rows give
     # 0.1 / 2 (row 0 alone) up to 0.2 / 1 (row 1 alone)
@@ -453,8 +557,8 @@ def test_check_launch_config_rollout_finds_zero3_first_rollout_equal_to_single_g
     output = tmp_path / "configs.json"
     for engine_dtype, zero3_differs in (("bfloat16", set()), ("default", {"snapshot", "logprobs"})):
         command = [
-            sys.executable, "-m", "benchmarks.check_launch_config_rollout", "--configs", "single_gpu", "zero3",
-            "--engine-dtype", engine_dtype, "--output", str(output),
+            sys.executable, "-m", "benchmarks.multi_gpu.check_launch_config_rollout",
+            "--configs", "single_gpu", "zero3", "--engine-dtype", engine_dtype, "--output", str(output),
         ]  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -467,7 +571,7 @@ def test_check_launch_config_rollout_finds_zero3_first_rollout_equal_to_single_g
 
 def test_the_tiny_multi_gpu_bench_writes_outside_the_repository_unless_told():
     """`--tiny` is a smoke run: its JSON left an untracked file in benchmarks/results, among the measured ones."""
-    from benchmarks.bench_multi_gpu import output_path
+    from benchmarks.multi_gpu.bench_multi_gpu import output_path
 
     scratch = Path("scratch")
     assert (
@@ -483,7 +587,7 @@ def test_bench_checkpoint_save_tiny_extrapolates_to_a_7b_save(tmp_path):
     """Qwen2.5-7B (configs/qwen2.5-7b.json: untied 152,064 x 3,584 embeddings, 28 layers) has 7,615,616,512
     parameters: its save at 6 bytes a parameter is 45,693,699,072 bytes; each measure's 7B time is its file time
     scaled by that size."""
-    stdout, results = run_tiny("bench_checkpoint_save", tmp_path)
+    stdout, results = run_tiny("trainer.bench_checkpoint_save", tmp_path)
     assert results["saved_7b_bytes"] == 7_615_616_512 * 6
     assert results["bytes"] >= 8 * 2**20  # the tensor, plus torch.save's few hundred bytes
     assert set(results["seconds"]) == {"save_and_fsync", "sha256", "crc32"}

@@ -1,5 +1,5 @@
-"""The GPU kit (benchmarks/gpu_kit.py) on small fake files: calls packed as the bytes allow, parts that join back to
-the file and are checked, wheels installed only where the machine lacks them, and installs that can be repeated."""
+"""The GPU kit (benchmarks/kit/gpu_kit.py) on small fake files: calls packed as the bytes allow, parts that join back
+to the file and are checked, wheels installed only where the machine lacks them, and installs that can be repeated."""
 
 import hashlib
 import io
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_kit import extract_data, install, installed_versions, release, satisfies, wheels_to_install
-from benchmarks.gpu_kit_build import (
+from benchmarks.kit.gpu_kit import extract_data, install, installed_versions, release, satisfies, wheels_to_install
+from benchmarks.kit.gpu_kit_build import (
     STUDY_WHEELS,
     WHEELS,
     Piece,

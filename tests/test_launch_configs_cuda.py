@@ -16,8 +16,8 @@ next steps sample other completions; a larger epsilon scales small gradients dow
 
 ZeRO-3 builds the model under DeepSpeed's `zero.Init`, which casts the buffers a module creates to bf16: the rotary
 frequencies were bf16 there (cos / sin off by up to 0.36), and before any update ZeRO-3's engine sampled 319 tokens
-where `single_gpu`'s sampled 320 (an H100, 2026-12-06, `benchmarks/check_launch_config_rollout.py`). The trainer
-rebuilds them in float32 (`trl_dapo/models.py`), so ZeRO-3 is held to the same comparison as every config.
+where `single_gpu`'s sampled 320 (an H100, 2026-12-06, `benchmarks/multi_gpu/check_launch_config_rollout.py`). The
+trainer rebuilds them in float32 (`trl_dapo/models.py`), so ZeRO-3 is held to the same comparison as every config.
 
 The runs share the GPU (each process's engine takes a tenth of its memory) and run at once. With
 `TRL_DAPO_TEST_REPORT=<folder>` the logged steps of every run are written there (`launch_configs.json`).

@@ -223,6 +223,35 @@ def test_min_new_tokens_and_eos_handling(model_and_tokenizer):
     assert len({len(c) for c in out.completions}) > 1 and any(c[-1] == stop for c in out.completions)
 
 
+@pytest.mark.parametrize("options", [{}, {"max_cache_tokens": 48, "max_rows": 8}], ids=["pool", "preempting"])
+def test_each_row_stops_at_its_own_cap_and_with_stops_blocked_exactly_there(model_and_tokenizer, options):
+    """Per-row caps (`row_max_new_tokens`, what a benchmark gives every engine so that all do the same work): with the
+    stop ids blocked up to the call's `max_new_tokens`, each row ends exactly at its cap, never at a stop id; without,
+    a greedy row ends at the earlier of its first stop id and its cap, the same tokens as the uncapped call's. A pool
+    too small for every row at once preempts rows and recomputes them, their caps kept."""
+    model, tokenizer = model_and_tokenizer
+    batch = prompts(tokenizer) * 2  # 12 rows of about 20 tokens: 48 cache tokens hold two at once
+    greedy = engine_for(model, tokenizer).generate(batch, TokenSampling(12, greedy=True))
+    stop = torch.tensor([t for c in greedy.completions for t in c]).mode().values.item()  # ends rows early
+    engine = PagedRolloutEngine(
+        model, eos_token_ids=[stop], pad_token_id=tokenizer.pad_token_id, dtype=torch.float32, cuda_graph=False,
+        page_size=4, sync_every=5, **options,
+    )  # fmt: skip
+    caps = [12, 12, 3, 12, 7, 12, 12, 9, 1, 12, 12, 5]
+    pinned = engine.generate(batch, TokenSampling(12, min_new_tokens=12), row_max_new_tokens=caps)
+    assert [len(c) for c in pinned.completions] == caps and all(stop not in c for c in pinned.completions)
+    assert pinned.stats.generated_tokens == sum(caps)
+    assert [int((row != 0).sum()) for row in pinned.logprobs] == caps  # logprobs to each row's cap, zero after
+    uncapped = engine.generate(batch, TokenSampling(12, greedy=True))
+    capped = engine.generate(batch, TokenSampling(12, greedy=True), row_max_new_tokens=caps)
+    assert capped.completions == [c[:cap] for c, cap in zip(uncapped.completions, caps, strict=True)]
+    assert any(len(c) < cap for c, cap in zip(capped.completions, caps, strict=True))  # a stop id came first
+    if options:
+        assert pinned.stats.preemptions > 0
+    with pytest.raises(ValueError, match="row_max_new_tokens: one cap per prompt"):
+        engine.generate(batch, TokenSampling(12), row_max_new_tokens=[13, *caps[1:]])
+
+
 def stop_ids_for(greedy: list[list[int]], vocab_size: int, count: int = 256) -> list[int]:
     """`count` stop ids in a seeded order: none of the last greedy row's tokens, and the first token of a greedy row
     that does not share it, so that greedy rows end at different points."""
@@ -272,7 +301,8 @@ def test_any_number_of_stop_ids_ends_rows_as_generate_does(model_and_tokenizer):
 def test_the_cuda_graph_decode_step_captures_with_256_stop_ids(tiny_model):
     """On CUDA the decode step is captured as a graph: with `torch.isin` over 24 or more stop ids at 128 rows its
     capture failed (`cudaErrorStreamCaptureInvalidated`). With 256 ids and 128 rows the captured steps must run, every
-    row stopping right after its first stop id, and with `min_new_tokens` none sampled before (compiled head too)."""
+    row stopping right after its first stop id, and with `min_new_tokens` none sampled before (compiled head too), each
+    row at its own cap where the call gives one."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model).cuda().eval()
     batch = (prompts(tokenizer) * 22)[:128]
@@ -292,6 +322,9 @@ def test_the_cuda_graph_decode_step_captures_with_256_stop_ids(tiny_model):
         assert out.stats.decode_steps > 0
         held = captured.generate(batch, TokenSampling(8, min_new_tokens=8))
         assert all(len(c) == 8 and not set(c) & set(stops) for c in held.completions)
+        caps = [1 + row % 8 for row in range(128)]  # each row's own cap, read by the captured step
+        capped = captured.generate(batch, TokenSampling(8, min_new_tokens=8), row_max_new_tokens=caps)
+        assert [len(c) for c in capped.completions] == caps
 
 
 def test_lora_adapters_are_merged_into_the_snapshot(model_and_tokenizer, tiny_model):

@@ -142,7 +142,7 @@ def test_every_printed_command_runs_as_printed_in_a_fresh_shell():
         elif words[1:3] != ["-m", "pip"] and not words[0].startswith("pip"):
             targets += _targets(command, inline)
     distinct = sorted({(kind, target, tuple(arguments)) for kind, target, arguments in targets})
-    assert {target for _, target, _ in distinct} >= {"benchmarks.bench_step", "recipes/dapo_ablation.py"}
+    assert {target for _, target, _ in distinct} >= {"benchmarks.trainer.bench_step", "recipes/dapo_ablation.py"}
 
     run = subprocess.run(
         [".venv/bin/python", "-c", PARSE_EVERY_COMMAND, json.dumps([list(target) for target in distinct])],

@@ -1,7 +1,7 @@
 """The rollout engine's weights read from sharded parameters: FSDP2 over 2 CPU processes (gloo) against the same
 weights unsharded, and a snapshot built where the model has no weights yet (a rank that loads none).
 
-ZeRO-3's gather needs DeepSpeed and a GPU; it runs in `benchmarks/bench_multi_gpu.py --rollout`.
+ZeRO-3's gather needs DeepSpeed and a GPU; it runs in `benchmarks/multi_gpu/bench_multi_gpu.py --rollout`.
 """
 
 import pytest

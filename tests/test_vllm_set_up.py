@@ -21,7 +21,7 @@ from trl import ModelConfig, TrlParser
 
 import dapo_math
 import dapo_vllm_colocate
-from benchmarks.gpu_kit_build import VLLM_VERSION
+from benchmarks.kit.gpu_kit_build import VLLM_VERSION
 from dapo_math import RecipeConfig, ScriptArguments
 from helpers import arithmetic_prompts, dapo_args
 from trl_dapo import DAPOTrainer

@@ -119,9 +119,11 @@ class Generation:
         settings: TokenSampling,
         capacity: int | None = None,
         num_pages: int | None = None,
+        row_max_new_tokens: list[int] | None = None,
     ) -> None:
         """`capacity`: output rows to allocate (a stream adds rows up to it; default: the prompts'); `num_pages`: the
-        KV pool (default: sized for `prompt_ids`)."""
+        KV pool (default: sized for `prompt_ids`); `row_max_new_tokens`: each row's own cap (a `generate` call's rows
+        only), else `settings.max_new_tokens` for every row."""
         self.engine, self.settings = engine, settings
         self.rows, self.max_new = capacity or len(prompt_ids), settings.max_new_tokens
         engine._rope_tables(max(map(len, prompt_ids)) + self.max_new)
@@ -147,6 +149,12 @@ class Generation:
         self.out_tokens = torch.zeros(self.rows + 1, self.max_new, dtype=torch.int32, device=device)
         self.out_logprobs = torch.zeros(self.rows + 1, self.max_new, dtype=torch.float32, device=device)
         self.dump_index = self.rows * self.max_new  # the extra row takes idle slots' outputs
+        # per-row caps: on the host for the scheduler's step count, on the device (the extra row's too) for the step
+        self.row_caps, self.row_caps_device = None, None
+        if row_max_new_tokens is not None:
+            self.row_caps = np.asarray(row_max_new_tokens, dtype=np.int64)
+            caps = torch.tensor([*row_max_new_tokens, self.max_new], dtype=torch.long)
+            self.row_caps_device = caps.to(device)
         self.hidden: dict[int, torch.Tensor] = {}  # last hidden state of each prefilled prefix still needed
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if engine.cuda_graph else None
@@ -205,7 +213,8 @@ class Generation:
             self._admit()
         if scheduler.done:
             return False
-        steps = min(engine.sync_every, int((self.max_new - scheduler.generated[scheduler.running]).max()))
+        caps = self.max_new if self.row_caps is None else self.row_caps[scheduler.running]
+        steps = min(engine.sync_every, int((caps - scheduler.generated[scheduler.running]).max()))
         bucket = slot_bucket(self.live, engine.max_rows)
         decode = self._decoder(bucket)
         with timer.section("decode"):
@@ -294,7 +303,8 @@ class Generation:
         slots = self.slots
         slots.tokens[first : first + count] = token
         stopped = engine.stop_table.index_select(0, token)
-        slots.active[first : first + count] = ~(stopped | (generated + 1 >= self.max_new))
+        caps = self.max_new if self.row_caps_device is None else self.row_caps_device[row_index]
+        slots.active[first : first + count] = ~(stopped | (generated + 1 >= caps))
         scheduler.generated[rows] += 1
 
     # ------------------------------------------------------------------------------------- rows added mid-call
@@ -481,7 +491,8 @@ class Generation:
         flat = torch.where(active, rows * self.max_new + generated, self.dump_index)
         self.out_tokens.view(-1).index_copy_(0, flat, token.to(torch.int32))
         self.out_logprobs.view(-1).index_copy_(0, flat, logprob)
-        finished = engine.stop_table.index_select(0, token) | (generated + 1 >= self.max_new)
+        caps = self.max_new if self.row_caps_device is None else self.row_caps_device.index_select(0, rows)
+        finished = engine.stop_table.index_select(0, token) | (generated + 1 >= caps)
         generated.add_(active.long())
         positions.add_(active.long())
         tokens.copy_(token)

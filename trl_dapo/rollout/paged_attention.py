@@ -12,8 +12,8 @@ With an FP8 cache (`fp8.py`: e4m3 values and a float32 scale per token and KV he
 token quantised and read every token dequantised, the new one included; the kernel multiplies the scales into the
 scores and the softmax weights rather than into the loaded tiles (e4m3 converts to bf16 exactly).
 FlexAttention's decoding kernel would need the query heads per KV head to be a power of two (Qwen2.5 has 6 and 7)
-and a batch size fixed at compile time; `benchmarks/bench_attention.py` measures both. Elsewhere a PyTorch reference
-computes the same function.
+and a batch size fixed at compile time; `benchmarks/rollout/bench_attention.py` measures both. Elsewhere a PyTorch
+reference computes the same function.
 """
 
 from __future__ import annotations

@@ -260,12 +260,26 @@ class PagedRolloutEngine:
     # ---------------------------------------------------------------------------------------------- generate
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], settings: TokenSampling) -> GenerationOutput:
+    def generate(
+        self, prompt_ids: list[list[int]], settings: TokenSampling, row_max_new_tokens: list[int] | None = None
+    ) -> GenerationOutput:
+        """Completions of `prompt_ids` and their logprobs. `row_max_new_tokens`: each row's own cap (at most
+        `settings.max_new_tokens`), so that callers comparing engines can give every engine the same per-row lengths:
+        with `min_new_tokens = max_new_tokens` no stop token is sampled and each row ends exactly at its cap."""
         if not prompt_ids or any(len(prompt) == 0 for prompt in prompt_ids):
             raise ValueError("generate needs at least one prompt, and no prompt may be empty.")
         if settings.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={settings.max_new_tokens} must be at least 1.")
-        return Generation(self, prompt_ids, settings).run()
+        if row_max_new_tokens is not None and (
+            len(row_max_new_tokens) != len(prompt_ids)
+            or not all(1 <= cap <= settings.max_new_tokens for cap in row_max_new_tokens)
+        ):
+            raise ValueError(
+                f"row_max_new_tokens: one cap per prompt ({len(prompt_ids)}), each from 1 to max_new_tokens="
+                f"{settings.max_new_tokens}; got {len(row_max_new_tokens)} caps from {min(row_max_new_tokens, default=0)}"
+                f" to {max(row_max_new_tokens, default=0)}."
+            )
+        return Generation(self, prompt_ids, settings, row_max_new_tokens=row_max_new_tokens).run()
 
     @torch.no_grad()
     def stream(

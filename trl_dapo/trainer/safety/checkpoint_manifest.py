@@ -7,8 +7,8 @@ the rename or the manifest that vouches for it, and the output folder after the 
 are deleted.
 
 Checksums only where they cost little beside the save: reading a file back to hash it costs about half of writing
-it (`benchmarks/bench_checkpoint_save.py`), so the weights and optimizer state are checked by size alone, and the
-states, configs and tokenizer files (up to `CHECKSUM_LIMIT` bytes each) by SHA-256 too.
+it (`benchmarks/trainer/bench_checkpoint_save.py`), so the weights and optimizer state are checked by size alone, and
+the states, configs and tokenizer files (up to `CHECKSUM_LIMIT` bytes each) by SHA-256 too.
 """
 
 from __future__ import annotations
