@@ -90,3 +90,22 @@ def test_links_are_read_outside_code_and_anchors_as_github_makes_them(tmp_path):
 def test_the_readme_and_the_performance_page_stay_short():
     lines = {name: len((ROOT / name).read_text().splitlines()) for name in MOST_LINES}
     assert {name: count for name, count in lines.items() if count > MOST_LINES[name]} == {}
+
+
+# A work item's number means nothing to a user (the project has no public tracker): code, tests and the docs say what
+# a target or a rule is instead. The history page keeps dates and what was superseded, CHANGELOG.md its own record.
+WORK_ITEM = re.compile(r"\bissue[s]? ?#?\d+|\bissue's\b|\bthe issue\b|\bitem \d+\b|\bmust-have\b", re.IGNORECASE)
+UNLABELLED = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"] + [
+    path for folder in ("trl_dapo", "recipes", "benchmarks", "tests") for path in sorted((ROOT / folder).rglob("*.py"))
+]
+
+
+def test_no_work_item_labels_in_code_or_user_docs():
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}"
+        for path in UNLABELLED
+        if path.name != "history.md" and path != Path(__file__)
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if WORK_ITEM.search(line)
+    ]
+    assert found == [], "say what the target or rule is instead:\n" + "\n".join(found)
