@@ -32,6 +32,17 @@ def test_the_committed_page_is_the_generated_one():
         pytest.fail(f"docs/configuration.md is out of date; regenerate it with\n    {COMMAND}\n" + "\n".join(diff))
 
 
+def test_the_page_is_the_same_after_a_recipe_parsed_the_config():
+    """transformers' HfArgumentParser rewrites each Optional field's `type` in place (`int | None` becomes `int`): a
+    page generated in the same process after a recipe built its parser lost every `| None`."""
+    from transformers import HfArgumentParser
+
+    before = Reference().page()
+    HfArgumentParser(DAPOConfig)
+    assert Reference().page() == before
+    assert "`int \\| None`" in before  # the type column keeps Optional (a table cell escapes the bar)
+
+
 def test_every_field_dapo_adds_or_grpo_adds_is_on_the_page_once():
     """Each field DAPO adds has a row and its details; each field `GRPOConfig` adds to `TrainingArguments` is in one
     place: checked or with DAPO's default, rejected, or honoured as TRL documents it."""

@@ -70,13 +70,17 @@ def docstring_problems(config_class: type, documented: dict[str, Documented]) ->
     return problems
 
 
-def type_name(field: dataclasses.Field) -> str:
-    """`int`, `str | None`: as the class annotates the field (a string under `from __future__ import annotations`)."""
-    if isinstance(field.type, str):
-        return field.type
-    if isinstance(field.type, type):
-        return field.type.__name__
-    return str(field.type).replace("typing.", "")
+def type_name(config_class: type, field: dataclasses.Field) -> str:
+    """`int`, `str | None`: as the class annotates the field (a string under `from __future__ import annotations`).
+    Read from the annotations, not `field.type`: transformers' `HfArgumentParser` rewrites that in place when it
+    parses the class (an `X | None` becomes `X`), so a page generated after a recipe built its parser would differ."""
+    annotation = next(inspect.get_annotations(klass)[field.name] for klass in config_class.__mro__
+                      if field.name in inspect.get_annotations(klass))  # fmt: skip
+    if isinstance(annotation, str):
+        return annotation
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
 
 
 def allowed(name: str) -> str:
@@ -140,7 +144,7 @@ class Reference:
 
     def _row(self, name: str) -> str:
         field = self.fields[name]
-        cells = [self._name(name), f"`{type_name(field)}`", self._default(name), allowed(name) or "—"]
+        cells = [self._name(name), f"`{type_name(DAPOConfig, field)}`", self._default(name), allowed(name) or "—"]
         return "| " + " | ".join([*map(_cell, cells), _cell(field.metadata.get("help", ""))]) + " |"
 
     def page(self) -> str:
