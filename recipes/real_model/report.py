@@ -345,8 +345,8 @@ def summarize(config: RealModelConfig, output: Path) -> dict:
         cells = {CELLS[0]: summarize_cell(config, output, CELLS[0], {}, shared)}
     expected = [(cell, kind, seed) for cell, kind, seed in config.run_order() if cell in cells]
 
-    def status(cell: str, kind: str, seed: int) -> str | None:
-        return (read_json(run_file(output, kind, seed, cell)) or {}).get("status")
+    def status(cell: str, kind: str, seed: int) -> str | None:  # from the records the cells' summaries read
+        return cells[cell]["runs"].get(kind, {}).get(str(seed), {}).get("status")
 
     summary = {"cells": cells, "skipped": [run_name(*key) for key in expected if status(*key) == "skipped"]}
     summary["left"] = [run_name(*key) for key in expected if status(*key) not in ("ok", "skipped")]
