@@ -116,7 +116,7 @@ def evaluation_plan(config: RealModelConfig, job: dict, share: float) -> dict:
     """What the run's evaluation engine plans its KV pool in: `memory_fraction` of the device, counting everything the
     process holds (vLLM included), at most `max_rows` rows and `max_cache_tokens` tokens at once. Beside vLLM, whose
     part of the share stays allocated through the run, the pool is bounded in tokens so it needs no more than the
-    share leaves: an evaluation engine planned like the other arms' got no memory at all in the first H100 study."""
+    share leaves: planned like the other arms', it got no memory at all in the study's first H100 run (2026-12-07)."""
     if job.get("arm", job["kind"]) != TRL_VLLM:
         return {"memory_fraction": ENGINE_PART * share, "max_rows": config.engine_max_rows, "max_cache_tokens": None}
     rows = EVALUATION_ROWS_BESIDE_VLLM
