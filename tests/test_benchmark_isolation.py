@@ -340,6 +340,34 @@ def test_dapo_steps_are_set_against_each_trl_peer_that_was_measured():
     assert not [key for key in out if key.startswith("ratio_") and key.endswith("trl_cb")]  # timed out: no ratio
 
 
+def test_what_flash_attention_could_save_trl_is_bounded_by_dapos_packed_over_padded_passes():
+    """DAPO trained its rows packed in 2 s against 10 s padded (x 0.2): TRL's forward passes on SDPA (15 s training +
+    5 s logprob pass of a 40 s step) would take at least 4 s on FlashAttention, so its step at least 24 s, 75 us per
+    generated token over 320,000; DAPO's 120 us per token is then at most 1.6x it. A TRL kind that ran on
+    FlashAttention gets no bound, nor does any kind of a run without `dapo_padded`."""
+    from benchmarks.trainer.bench_step import add_ratios
+
+    def run(step: float, train: float, logprob: float, tokens: int, attention: str = "sdpa") -> dict:
+        return {"step_s": step, "generation_s": step - train - logprob, "train_s": train, "train_median_s": train,
+                "logprob_pass_s": logprob, "generation_tokens_per_s": 1.0, "completion_tokens_per_step": tokens,
+                "step_us_per_token": 1e6 * step / tokens, "attention": attention, "peak_memory_gib": 1.0}  # fmt: skip
+
+    out = {"dapo": run(30.0, 2.0, 0.0, 250_000), "dapo_padded": run(38.0, 10.0, 0.0, 250_000),
+           "trl_vllm": run(40.0, 15.0, 5.0, 320_000), "dapo_vllm": run(32.0, 7.0, 0.0, 320_000),
+           "trl_cb": run(90.0, 15.0, 0.0, 320_000, attention="flash_attention_2")}  # fmt: skip
+    add_ratios(out)
+    bound = out["flash_bound_dapo_over_trl_vllm"]
+    assert bound["packed_over_padded"] == pytest.approx(0.2) and bound["trl_step_s_at_least"] == pytest.approx(24.0)
+    assert bound["trl_step_us_per_token_at_least"] == pytest.approx(75.0)
+    assert bound["step_us_per_token"] == pytest.approx(1.6)
+    assert out["flash_bound_dapo_vllm_over_trl_vllm"]["step_us_per_token"] == pytest.approx(100.0 / 75.0)
+    assert not [key for key in out if key.startswith("flash_bound_") and key.endswith("trl_cb")]
+    del out["dapo_padded"]
+    out = {key: value for key, value in out.items() if not key.startswith(("ratio", "flash_bound_", "dapo_logprob"))}
+    add_ratios(out)
+    assert not [key for key in out if key.startswith("flash_bound_")]
+
+
 def test_fair_step_settings_are_refused_where_kinds_would_differ():
     """`--fair`: per-kind step counts, unpinned lengths, a ladder of micro-batches or fewer than 1 warm-up and 2
     measured steps are refused before anything runs; without them every kind gets 1 warm-up and 2 measured steps."""

@@ -55,7 +55,7 @@ def test_bench_step_tiny_writes_finite_ratios(tmp_path):
 
 
 def test_bench_step_variable_lengths_counts_generated_tokens(tmp_path):
-    _, results = run_tiny(
+    stdout, results = run_tiny(
         "trainer.bench_step", tmp_path, "--variable-lengths", "--prompts", "2", "--generations", "4", "--ga", "1",
         "--new-tokens", "200", "--warmup", "0",
     )  # fmt: skip
@@ -80,6 +80,13 @@ def test_bench_step_variable_lengths_counts_generated_tokens(tmp_path):
             > run["trained_real_tokens_per_step"]
             > run["completion_tokens_per_step"]
         )
+    # TRL ran on SDPA: the most FlashAttention could save it, from DAPO's packed over padded training of these rows
+    bound = models["flash_bound_dapo_over_trl"]
+    assert bound["packed_over_padded"] == packed["train_s"] / padded["train_s"]
+    trl = models["trl"]
+    saving = (trl["train_s"] + trl["logprob_pass_s"]) * max(0.0, 1 - bound["packed_over_padded"])
+    assert bound["trl_step_s_at_least"] == pytest.approx(trl["step_s"] - saving) and saving >= 0
+    assert "- tiny dapo/trl were TRL on FlashAttention: its forward passes at best x" in stdout
 
 
 def test_bench_step_fair_gives_every_kind_the_same_work_micro_batch_and_steps(tmp_path):

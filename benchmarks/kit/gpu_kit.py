@@ -229,7 +229,18 @@ def check(generate: str | None) -> None:
     import vllm  # noqa: F401  (the kit's own import check)
     from vllm import LLM, SamplingParams
 
-    for name in ("vllm", "torch", "transformers", "trl", "pydantic", "xgrammar", "msgspec", "pyzmq", "datasets"):
+    for name in (
+        "vllm",
+        "torch",
+        "transformers",
+        "trl",
+        "pydantic",
+        "xgrammar",
+        "msgspec",
+        "pyzmq",
+        "datasets",
+        "liger-kernel",
+    ):
         print(f"{name} {metadata.version(name)}")
     import torch
 

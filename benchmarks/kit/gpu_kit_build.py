@@ -43,7 +43,10 @@ STUDY_WHEELS = [
     ("gguf", "0.19.0", None, "transformers reads the SmolLM2 GGUF with it"),
     ("peft", "0.21.2", ">=0.17", "LoRA (trl-dapo needs peft >= 0.17)"),
 ]
-VLLM_WHEELS = [
+# What the peers need, carried after the study's: vLLM's dependencies, and Liger for TRL's tuned step (its layer
+# kernels under `use_liger_kernel`; Triton comes with the machine's torch).
+PEER_WHEELS = [
+    ("liger-kernel", "0.8.5", None, "TRL's use_liger_kernel (bench_step --liger); TRL needs >= 0.8.2"),
     ("pydantic", "2.14.4", None, "vLLM's configs are pydantic dataclasses"),
     ("pydantic-core", "2.50.5", "==2.50.5", "pydantic (pinned exactly by it)"),
     ("annotated-types", "0.8.0", None, "pydantic"),
@@ -77,7 +80,7 @@ VLLM_WHEELS = [
     ("blake3", "1.0.11", None, "vLLM's multimodal hasher (small; declared by vLLM)"),
     ("nvtx", "0.2.15", None, "vLLM's NVTX scopes for profiling (VLLM_NVTX_SCOPES_FOR_PROFILING)"),
 ]
-WHEELS = STUDY_WHEELS + VLLM_WHEELS
+WHEELS = STUDY_WHEELS + PEER_WHEELS
 
 # Members of the vLLM wheel left out, and why (the member names match these fnmatch patterns).
 VLLM_LEFT_OUT = {
@@ -264,7 +267,7 @@ def download_vllm(cache: Path, python_version: str) -> Path:
 
 def kit_order(wheels: list[Path], gguf: Path | None, vllm: Path | None) -> list[Path]:
     """The kit's files in the order the calls carry them: the study's wheels and the GGUF first (the study runs
-    from the call that completes them), then vLLM's wheels and vLLM (left out without `vllm`)."""
+    from the call that completes them), then the peers' wheels and vLLM (left out without `vllm`)."""
     study = len(STUDY_WHEELS)
     return [*wheels[:study], *([gguf] if gguf else []), *([*wheels[study:], vllm] if vllm else [])]
 

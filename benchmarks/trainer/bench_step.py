@@ -264,6 +264,31 @@ def add_ratios(out: dict) -> None:
     for kind in [kind for kind in RATIO_KINDS if {kind, "dapo"} <= done]:  # against plain DAPO
         keys = ("step_s", "generation_s", "train_s", "train_median_s")
         out[f"ratio_{kind}"] = {key: out[kind][key] / out["dapo"][key] for key in keys if out["dapo"][key]}
+    add_flash_attention_bounds(out, done)
+
+
+def add_flash_attention_bounds(out: dict, done: set[str]) -> None:
+    """Where TRL's kinds ran without FlashAttention, the most it could save them, from DAPO's own training passes on
+    this run's rows: packing drops the padding from every layer and runs a variable-length flash kernel, while
+    FlashAttention over TRL's padded rows drops it from attention alone, so TRL's forward passes (training and
+    logprob) would take at least `packed / padded` of their time. Each DAPO step against that floor is the ratio
+    FlashAttention for TRL could not push above."""
+    if not {"dapo", "dapo_padded"} <= done or not out["dapo_padded"]["train_s"]:
+        return
+    share = out["dapo"]["train_s"] / out["dapo_padded"]["train_s"]
+    for ours, peer in [(ours, peer) for ours, peer in (("dapo", "trl"), *PEER_PAIRS) if {ours, peer} <= done]:
+        trl = out[peer]
+        if trl.get("attention") == "flash_attention_2" or not trl.get("completion_tokens_per_step"):
+            continue
+        passes = trl["train_s"] + trl["logprob_pass_s"]
+        step_floor = trl["step_s"] - passes * max(0.0, 1 - share)  # packing slower than padding here: no saving
+        floor_us = step_floor / trl["completion_tokens_per_step"] * 1e6
+        out[f"flash_bound_{ours}_over_{peer}"] = {
+            "packed_over_padded": share,
+            "trl_step_s_at_least": step_floor,
+            "trl_step_us_per_token_at_least": floor_us,
+            "step_us_per_token": out[ours]["step_us_per_token"] / floor_us,
+        }
 
 
 def engine_variants(config, tokenizer, setup, warmup: int, steps: int) -> dict:
@@ -418,6 +443,14 @@ def table(results: dict) -> str:
             lines.append(
                 f"- {name} {kind} rest of step (s): median {comparison[kind]['train_median_s']:.4f}; mean split "
                 + ", ".join(f"{k} {v:.4f}" for k, v in split.items())
+            )
+        for key in [key for key in comparison if key.startswith("flash_bound_")]:
+            bound, pair = comparison[key], key.removeprefix("flash_bound_").replace("_over_", "/")
+            lines.append(
+                f"- {name} {pair} were TRL on FlashAttention: its forward passes at best x "
+                f"{bound['packed_over_padded']:.3f} (DAPO's packed/padded training here), its step at least "
+                f"{bound['trl_step_s_at_least']:.3f} s, {bound['trl_step_us_per_token_at_least']:.1f} us per generated "
+                f"token; {pair} per generated token at most {bound['step_us_per_token']:.3f}"
             )
         for label, ratio in (
             ("DAPO/TRL", comparison.get("ratio")),
