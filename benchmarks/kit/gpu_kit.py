@@ -229,19 +229,9 @@ def check(generate: str | None) -> None:
     import vllm  # noqa: F401  (the kit's own import check)
     from vllm import LLM, SamplingParams
 
-    for name in (
-        "vllm",
-        "torch",
-        "transformers",
-        "trl",
-        "pydantic",
-        "xgrammar",
-        "msgspec",
-        "pyzmq",
-        "datasets",
-        "liger-kernel",
-    ):
+    for name in ("vllm", "torch", "transformers", "trl", "pydantic", "xgrammar", "msgspec", "pyzmq", "datasets"):
         print(f"{name} {metadata.version(name)}")
+    print(f"liger-kernel {metadata.version('liger-kernel')}")  # TRL's tuned step
     import torch
 
     if not torch.cuda.is_available():
