@@ -174,7 +174,8 @@ class Reference:
             + ", ".join(f"`{name}`" for name in self.unchanged)
             + ". Every other field is one of the Hugging Face Trainer's `TrainingArguments` ([transformers' "
             f"reference]({TRAINING_ARGUMENTS_DOCS})), which DAPOTrainer runs unchanged; `GRPOConfig` gives some of "
-            "them defaults of its own (TRL's reference lists them).\n",
+            "them defaults of its own (TRL's reference lists them). Any of these fields typed as a number must hold "
+            "one of its type, finite (`save_total_limit`, `label_smoothing_factor`...).\n",
             "## Details\n",
             "The description of each field DAPO adds or gives its own default, from `DAPOConfig`'s docstring.\n",
             *self._details([*self.added, *self.changed, *self.unhonoured]),
