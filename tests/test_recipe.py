@@ -44,6 +44,7 @@ def test_every_shipped_config_parses(path):
 def test_paper_config_matches_the_reference_recipe():
     _, config, model = parse("--config", str(ROOT / "recipes/configs/qwen2.5_32b_dapo.yaml"), "--bf16", "false")
     assert (config.num_generations, config.max_completion_length, config.overlong_buffer_len) == (16, 20480, 4096)
+    assert config.max_prompt_length == 2048
     assert (config.steps_per_generation, config.learning_rate, config.weight_decay) == (16, 1e-6, 0.1)
     assert config.clip_ratio_c == 10.0 and config.max_num_gen_batches == 10
     assert model.model_name_or_path == "Qwen/Qwen2.5-32B"
