@@ -64,7 +64,10 @@ def check_rewards(rewards_per_func: torch.Tensor, num_completions: int, reward_f
         row = int(unscored.nonzero()[0])
         raise RolloutIntegrityError(
             f"rewards: completion {row}{and_more(int(unscored.sum()))} got no reward: every reward function "
-            f"{list(reward_func_names)} returned None/NaN; at least one must score each completion."
+            f"{list(reward_func_names)} returned None/NaN; at least one must score each completion: return a "
+            "number for it (e.g. 0.0 where a task's function does not apply), or drop its prompt from the dataset "
+            "(TRL's accuracy_reward returns None where it cannot parse the gold solution). GRPOTrainer would train "
+            "it with zero advantage."
         )
 
 

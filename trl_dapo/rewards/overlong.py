@@ -43,6 +43,8 @@ def _as_lengths(completion_lengths: torch.Tensor | Sequence[int]) -> torch.Tenso
 
 
 OVERLONG_REWARD_NAME = "overlong_penalty"
+# The name `trl.rewards.get_soft_overlong_punishment`'s reward function logs under: the same penalty as DAPOConfig's.
+TRL_OVERLONG_REWARD_NAME = "soft_overlong_punishment_reward"
 
 
 class OverlongPenalty:

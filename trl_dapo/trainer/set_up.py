@@ -21,7 +21,7 @@ from torch import nn
 from trl.trainer.utils import get_callable_name, get_config_model_id
 
 from ..rewards.columns import check_reward_columns
-from ..rewards.overlong import OVERLONG_REWARD_NAME
+from ..rewards.overlong import OVERLONG_REWARD_NAME, TRL_OVERLONG_REWARD_NAME
 from ..text import plural
 from .collection import (
     check_rollout_precision,
@@ -136,6 +136,7 @@ def check_set_up(
             f"reward functions ({names[:functions]}): give one weight per reward function (the overlong penalty "
             "weighs 1 and takes none)."
         )
+    check_one_overlong_penalty(args, names[:functions])
     if environment_factory is None:  # an environment may add reward functions, named once it is built
         filter_column(args.dynamic_sampling_metric, names)
     calls_tools = bool(tools) or environment_factory is not None  # an environment's methods are its tools
@@ -150,6 +151,19 @@ def check_set_up(
     check_datasets(args, train_dataset, eval_dataset, args.world_size, environment_factory is not None, functions)
     check_output_dir(args)
     check_vllm_set_up(args)  # last: it may wait up to vllm_server_timeout for a server
+
+
+def check_one_overlong_penalty(args: DAPOConfig, task_names: Sequence[str]) -> None:
+    """TRL's soft overlong punishment among the reward functions while DAPOConfig's own is on (its default) would
+    penalise every long completion twice: a GRPO script that used TRL's would silently double it."""
+    if args.overlong_buffer_len > 0 and TRL_OVERLONG_REWARD_NAME in task_names:
+        raise ValueError(
+            f"reward_funcs holds TRL's {TRL_OVERLONG_REWARD_NAME} (trl.rewards.get_soft_overlong_punishment) while "
+            f"DAPOConfig's own overlong reward shaping is on (overlong_buffer_len={args.overlong_buffer_len}; "
+            "None takes a fifth of max_completion_length), so every long completion would be penalised twice. "
+            "Keep one: set overlong_buffer_len=0 to keep TRL's, or remove it from reward_funcs and set "
+            "overlong_buffer_len to its soft_punish_cache (the same penalty, up to max_completion_length)."
+        )
 
 
 def check_output_dir(args: DAPOConfig) -> None:

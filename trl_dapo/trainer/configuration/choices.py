@@ -43,7 +43,8 @@ WORDS_OR_NUMBER: dict[str, tuple[tuple[str, ...], Rule]] = {
 WITH_DYNAMIC_SAMPLING: dict[str, tuple[tuple[object, ...], str]] = {
     "scale_rewards": (
         ("group", "none", True, False),
-        "with dynamic sampling the advantage of a kept group must not depend on dropped groups; use 'group'.",
+        "with dynamic sampling the advantage of a kept group must not depend on dropped groups; use 'group' (or "
+        "'none'), or dynamic_sampling=False.",
     ),
     "multi_objective_aggregation": (
         ("sum_then_normalize",),
