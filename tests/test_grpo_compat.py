@@ -115,7 +115,7 @@ def test_several_weighted_reward_functions_with_none_outputs_and_an_async_one(ti
         DAPOTrainer(
             model=tiny_model,
             reward_funcs=[text_length, not_applicable, async_unique_characters],
-            args=compat_args(tmp_path, reward_weights=[0.7, 1.0, 0.3]),
+            args=compat_args(tmp_path, reward_weights=[0.7, 1.0, 0.3], dynamic_sampling_metric="text_length"),
             train_dataset=standard_prompts(),
         )
     )

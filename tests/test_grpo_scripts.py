@@ -175,7 +175,12 @@ def test_the_docs_multi_task_example_names_the_completions_no_function_scores_an
     trainer = DAPOTrainer(
         model=tiny_model,
         reward_funcs=[math_reward_func, coding_reward_func],
-        args=DAPOConfig(output_dir=str(tmp_path), **dict(SMALL, per_device_train_batch_size=16), max_steps=1),
+        args=DAPOConfig(
+            output_dir=str(tmp_path),
+            **dict(SMALL, per_device_train_batch_size=16),
+            max_steps=1,
+            dynamic_sampling_metric="reward",  # one function per task: the task's score is the total
+        ),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS, "task": tasks}),
     )
     unscored = r"\['math_reward_func', 'coding_reward_func'\] returned None/NaN"

@@ -324,7 +324,9 @@ async def returns_a_string_later(completion_ids, **kwargs):
 def test_a_reward_function_returning_no_list_of_numbers_is_named(tiny_model, tmp_path, reward, message):
     """TRL's own errors here are `too many dimensions 'str'` and `'NoneType' object is not iterable`."""
     with pytest.raises(TypeError, match=message):
-        make_trainer(tiny_model, tmp_path, reward=[length_reward, reward], max_steps=1).train()
+        make_trainer(
+            tiny_model, tmp_path, reward=[length_reward, reward], dynamic_sampling_metric="length_reward", max_steps=1
+        ).train()
 
 
 def test_rewards_as_numbers_of_any_kind_are_accepted(tiny_model, tmp_path):
@@ -342,7 +344,13 @@ def test_rewards_as_numbers_of_any_kind_are_accepted(tiny_model, tmp_path):
     def sometimes(completion_ids, **kwargs):
         return [None if index % 2 else 1 for index in range(len(completion_ids))]
 
-    trainer = make_trainer(tiny_model, tmp_path, reward=[varied, as_array, as_tensor, sometimes], max_steps=1)
+    trainer = make_trainer(
+        tiny_model,
+        tmp_path,
+        reward=[varied, as_array, as_tensor, sometimes],
+        dynamic_sampling_metric="reward",
+        max_steps=1,
+    )
     trainer.train()
     assert trainer.state.global_step == 1
 
@@ -487,12 +495,12 @@ class AlternatingForEveryThirdPrompt:
 
 @pytest.mark.parametrize(
     ("metric", "weights", "kept"),
-    [("reward", None, "varied"), ("reward", [1.0, 0.0], "none"), (None, None, "none")],
-    ids=["total", "total-with-zero-weight", "first-function"],
+    [("reward", None, "varied"), ("reward", [1.0, 0.0], "none"), ("always_right", None, "none")],
+    ids=["total", "total-with-zero-weight", "named-function"],
 )
 def test_the_filter_reads_the_metric_it_is_told(tiny_model, tmp_path, metric, weights, kept):
     """The first function is constant, the second varies only in the groups of every third prompt: the total reward
-    keeps exactly those groups, unless the second function weighs 0; the default (first function) keeps none (no
+    keeps exactly those groups, unless the second function weighs 0; the constant function named keeps none (no
     overlong penalty, which would join the total)."""
     varying = AlternatingForEveryThirdPrompt(num_generations=4)
     trainer = make_trainer(
@@ -520,6 +528,21 @@ def test_the_filter_reads_the_metric_it_is_told(tiny_model, tmp_path, metric, we
     assert logged(trainer, "frac_reward_zero_std") == [0.0]
     assert logged(trainer, "reward") == [1.5] and logged(trainer, "rewards/always_right/mean") == [1.0]
     assert logged(trainer, "rewards/alternating_for_every_third_prompt/mean") == [0.5]
+
+
+def test_the_filter_is_not_guessed_among_several_reward_functions(tiny_model, tmp_path):
+    """Two reward functions and no `dynamic_sampling_metric`: which is the task's accuracy is not guessed from their
+    order; the error names both and the settings that say it. One function (the overlong penalty aside), or dynamic
+    sampling off, needs no metric."""
+    with pytest.raises(ValueError, match=r"2 reward functions \(\['always_right', 'length_reward'\]\).*"
+                       r"dynamic_sampling_metric='length_reward'.*'reward'.*dynamic_sampling=False"):  # fmt: skip
+        make_trainer(tiny_model, tmp_path, reward=[always_right, length_reward])
+    make_trainer(tiny_model, tmp_path, reward=[always_right, length_reward], dynamic_sampling=False)
+    make_trainer(tiny_model, tmp_path, reward=[always_right])
+    from trl_dapo.trainer.set_up import filter_column
+
+    # TRL's overlong penalty is shaping too: the one task function is found wherever it stands
+    assert filter_column(None, ["soft_overlong_punishment_reward", "accuracy", "overlong_penalty"], True) == 1
 
 
 def test_rollout_metrics_describe_the_trained_groups(tiny_model, tmp_path):
@@ -575,6 +598,7 @@ def test_trained_batch_metrics_are_trls_when_every_candidate_is_trained(tiny_mod
         reward=[alternating, length_reward],
         scripted=True,
         overlong_buffer_len=0,
+        dynamic_sampling_metric="alternating",
         max_steps=1,
     )
     dapo.train()
@@ -724,7 +748,7 @@ def test_the_callers_reward_lists_are_left_alone(tiny_model, tmp_path):
         model=tiny_model,
         reward_funcs=reward_funcs,
         reward_processing_classes=processing_classes,
-        args=dapo_args(tmp_path, per_device_train_batch_size=8),
+        args=dapo_args(tmp_path, per_device_train_batch_size=8, dynamic_sampling_metric="length_reward"),
         train_dataset=arithmetic_prompts(8),
     )
     assert trainer.reward_func_names == ["length_reward", "first_token_parity", "overlong_penalty"]
@@ -1025,9 +1049,21 @@ def test_a_reward_function_requiring_a_missing_column_is_named_at_set_up(tiny_mo
         match=r"reward function 'dapo_math_reward' requires 'answer', which TRL passes from the dataset column of "
         r"that name, but train_dataset has no such column \(columns: \['prompt', 'index'\]\)",
     ):
-        make_trainer(tiny_model, tmp_path, reward=[with_defaults, dapo_math_reward], dataset=prompts)
+        make_trainer(
+            tiny_model,
+            tmp_path,
+            reward=[with_defaults, dapo_math_reward],
+            dataset=prompts,
+            dynamic_sampling_metric="dapo_math_reward",
+        )
     with_answers = prompts.add_column("answer", ["2"] * len(prompts))
-    make_trainer(tiny_model, tmp_path, reward=[with_defaults, dapo_math_reward], dataset=with_answers)
+    make_trainer(
+        tiny_model,
+        tmp_path,
+        reward=[with_defaults, dapo_math_reward],
+        dataset=with_answers,
+        dynamic_sampling_metric="dapo_math_reward",
+    )
 
 
 @pytest.mark.parametrize("streaming", [False, True])

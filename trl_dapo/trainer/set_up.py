@@ -40,11 +40,21 @@ def reward_function_names(reward_funcs: Any, args: DAPOConfig) -> list[str]:
     return [*names, OVERLONG_REWARD_NAME] if args.overlong_buffer_len > 0 else names
 
 
-def filter_column(metric: str | None, names: Sequence[str]) -> int | None:
-    """The reward column dynamic sampling filters on: `metric` names exactly one of `names` (None: the first, task
-    accuracy), or is `"reward"` for the weighted total (None is returned)."""
+def filter_column(metric: str | None, names: Sequence[str], dynamic_sampling: bool) -> int | None:
+    """The reward column dynamic sampling filters on: `metric` names exactly one of `names`, or is `"reward"` for
+    the weighted total (None is returned). None takes the one task reward function, the overlong penalties (DAPO's
+    and TRL's) aside: DAPO filters on accuracy, not on the shaped reward; with several, which one is the task's
+    accuracy is the user's to say, not a guess by order."""
     if metric is None:
-        return 0
+        task = [name for name in names if name not in (OVERLONG_REWARD_NAME, TRL_OVERLONG_REWARD_NAME)]
+        if dynamic_sampling and len(task) > 1:
+            raise ValueError(
+                f"DAPOConfig.dynamic_sampling_metric is None, but there are {len(task)} reward functions ({task}): "
+                "say which reward dynamic sampling filters on, the task's accuracy as DAPO does (e.g. "
+                f"dynamic_sampling_metric={task[-1]!r}), or 'reward' for the weighted total; or set "
+                "dynamic_sampling=False to train every group as GRPO does."
+            )
+        return list(names).index(task[0]) if task else 0
     if metric == "reward":
         return None
     if metric not in names:
@@ -138,7 +148,7 @@ def check_set_up(
         )
     check_one_overlong_penalty(args, names[:functions])
     if environment_factory is None:  # an environment may add reward functions, named once it is built
-        filter_column(args.dynamic_sampling_metric, names)
+        filter_column(args.dynamic_sampling_metric, names, args.dynamic_sampling)
     calls_tools = bool(tools) or environment_factory is not None  # an environment's methods are its tools
     if args.rollout_engine == "paged":
         reason = why_settings_rule_out_engine(args, rollout_func, calls_tools)

@@ -177,7 +177,7 @@ class DAPOTrainer(GRPOTrainer):
         self.passes = TrainingPasses(view, self.padding_free, clips, router_aux_loss_coef, self.num_iterations)
         self.finite_steps = FiniteSteps(self.accelerator, fp16=args.fp16)
         self.add_callback(self.finite_steps)
-        column = filter_column(args.dynamic_sampling_metric, self.reward_func_names)
+        column = filter_column(args.dynamic_sampling_metric, self.reward_func_names, args.dynamic_sampling)
         filter_metric = FilterMetric(column, self.reward_weights)
         self.rounds = TRLRounds(
             view,

@@ -75,8 +75,9 @@ class DAPOConfig(GRPOConfig, GenerationBatchCheck):
             Drop prompt groups whose filter metric is the same for all samples (all right or all wrong: zero
             advantage) and keep generating until the generation batch is full of informative groups.
         dynamic_sampling_metric (`str` or `None`, *optional*, defaults to `None`):
-            What the filter looks at: the name of one reward function (default: the first one, i.e. task accuracy, as
-            DAPO filters on accuracy rather than on the shaped reward), or `"reward"` for the weighted total.
+            What the filter looks at: the name of one reward function, or `"reward"` for the weighted total. `None`
+            takes the one reward function given (task accuracy: DAPO filters on it rather than on the shaped reward);
+            with several, `None` is an error asking which.
         max_num_gen_batches (`int`, *optional*, defaults to `10`):
             Most candidate generation rounds per generation batch; `0` means unlimited.
         dynamic_sampling_on_limit (`str`, *optional*, defaults to `"train_on_partial"`):
