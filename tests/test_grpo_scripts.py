@@ -79,30 +79,11 @@ def test_trls_grpo_script_trains_with_peft_and_its_reward_registry_once_its_impo
 ):
     folder = script_folder(tmp_path)
     arguments = [
-        *(
-            "--max_steps",
-            "2",
-            "--max_completion_length",
-            "8",
-            "--learning_rate",
-            "0.1",
-            "--use_cpu",
-            "--bf16",
-            "false",
-        ),
-        *(
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "4",
-            "--report_to",
-            "none",
-            "--logging_steps",
-            "1",
-        ),
-        *("--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--dtype", "float32", "--save_strategy", "no"),
-        *("--reward_funcs", "script_rewards.content_length", "get_soft_overlong_punishment"),
-    ]
+        "--max_steps", "2", "--max_completion_length", "8", "--learning_rate", "0.1", "--use_cpu", "--bf16", "false",
+        "--num_generations", "4", "--per_device_train_batch_size", "4", "--report_to", "none", "--logging_steps", "1",
+        "--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--dtype", "float32", "--save_strategy", "no",
+        "--reward_funcs", "script_rewards.content_length", "get_soft_overlong_punishment",
+    ]  # fmt: skip
     with pytest.raises(ValueError, match=r"penalised twice.*set overlong_buffer_len=0 to keep TRL's"):
         run_script(folder, tiny_model, *arguments, monkeypatch=monkeypatch)
     run_script(folder, tiny_model, *arguments, "--overlong_buffer_len", "0", monkeypatch=monkeypatch)
